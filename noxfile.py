@@ -1,0 +1,94 @@
+"""Sessions for the guide.
+
+nox -s examples docs    every example in CPU smoke mode, then the site
+nox -s lint tests       the test suite, Slurm test cluster included (root; what .ci/run runs)
+nox -s slurm            only the tests that submit job.sh files to the Slurm test cluster
+nox -s docs -- --serve  rebuild the site on every change, served on localhost:8000
+"""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["examples", "docs"]
+
+ROOT = Path(__file__).parent
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+JOB_SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("examples/**/job.sh"))
+
+
+def pip_config(key: str) -> str:
+    try:
+        out = subprocess.run(
+            ["python3", "-m", "pip", "config", "get", key], capture_output=True, text=True
+        )
+    except OSError:
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+# uv ignores pip's configuration. Where pip is set up with extra indexes or a wheel folder (on
+# this project's machines, torch lies on local disk there), give uv the same ones, or it
+# downloads several GB of CUDA wheels. Bytecode: without it every torch import takes 10 s.
+for variable, key in [
+    ("UV_EXTRA_INDEX_URL", "global.extra-index-url"),
+    ("UV_FIND_LINKS", "global.find-links"),
+]:
+    if variable not in os.environ and (value := pip_config(key)):
+        os.environ[variable] = value
+os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
+
+
+def install(session: nox.Session, group: str) -> None:
+    session.install(*nox.project.dependency_groups(PYPROJECT, group))
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Runs every example in CPU gloo smoke mode, a line of results each."""
+    install(session, "examples")
+    session.run("python", "tests/smoke.py", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Builds the site into docs/_build/html; warnings are errors."""
+    install(session, "docs")
+    if "--serve" in session.posargs:
+        session.install("sphinx-autobuild")
+        session.run("sphinx-autobuild", "--watch", "examples", "docs", "docs/_build/html")
+        return
+    shutil.rmtree(ROOT / "docs" / "_build", ignore_errors=True)
+    session.run(
+        "sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html",
+        *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff on the Python files, shellcheck on every job.sh and on the test sites' scripts."""
+    install(session, "lint")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("shellcheck", "-x", *JOB_SCRIPTS, *map(str, ROOT.glob("tests/sites/**/*.sh")))
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole test suite, with the Slurm tests (which need root)."""
+    install(session, "test")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def slurm(session: nox.Session) -> None:
+    """Only the tests that submit the job.sh files to the Slurm test cluster."""
+    install(session, "test")
+    session.run("pytest", "-m", "slurm", *session.posargs)

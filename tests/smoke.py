@@ -1,0 +1,254 @@
+"""Runs the examples in CPU smoke mode: gloo, synthetic data, a few steps, one thread a process.
+
+Each example is launched the way its job.sh launches it, without Slurm. For an srun-style
+script, one process per task, each with the SLURM_* variables that srun would give it, and the
+MASTER_ADDR/MASTER_PORT that job.sh would export. The Slurm tests (test_slurm.py) submit the
+job.sh files themselves to a real cluster, with the same arguments.
+
+    python tests/smoke.py                  # every example, one line each
+    python tests/smoke.py mila/multi_gpu   # just these
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+
+# Small and fast, but through the same code as a real run: sampler, training steps, validation.
+# 250 synthetic images leave 25 for validation, a count that 2 and 3 processes do not divide,
+# so any padding of the validation shards would show.
+MILA_SMOKE_ARGS = (
+    "--synthetic-data", "--synthetic-size", "250", "--batch-size", "16",
+    "--epochs", "1", "--max-steps", "4",
+)  # fmt: skip
+MILA_VAL_SAMPLES = 25
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How an example's job.sh starts main.py, and the arguments of its smoke run."""
+
+    launcher: str  # "python": one process; "srun": one process per Slurm task
+    nodes: int = 1
+    tasks_per_node: int = 1
+    args: tuple[str, ...] = ()
+    val_samples: int | None = None  # the validation set's size under `args`
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+# Every example folder, with how its job.sh launches it, scaled down to 2 processes.
+EXAMPLES: dict[str, Launch] = {
+    "mila/single_gpu": Launch("python", args=MILA_SMOKE_ARGS, val_samples=MILA_VAL_SAMPLES),
+    "mila/multi_gpu": Launch(
+        "srun", tasks_per_node=2, args=MILA_SMOKE_ARGS, val_samples=MILA_VAL_SAMPLES
+    ),
+    "mila/multi_node": Launch(
+        "srun", nodes=2, tasks_per_node=1, args=MILA_SMOKE_ARGS, val_samples=MILA_VAL_SAMPLES
+    ),
+}
+
+
+@dataclass
+class Run:
+    name: str
+    launch: Launch
+    returncodes: list[int]
+    outputs: list[str]  # stdout and stderr of each process, by rank
+    elapsed: float
+    summaries: list[dict] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(rc == 0 for rc in self.returncodes)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(f"--- rank {r}\n{out}" for r, out in enumerate(self.outputs))
+
+    def line(self) -> str:
+        """The one-line result that `nox -s examples` prints."""
+        shape = f"{self.launch.nodes} node(s) x {self.launch.tasks_per_node} process(es)"
+        head = f"{self.name:<22} {shape:<28} {self.elapsed:5.1f} s"
+        if not self.ok:
+            return f"{head}  FAILED (exit codes {self.returncodes})"
+        s = self.summaries[0]
+        return (
+            f"{head}  ok  loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}, "
+            f"val {s['val_samples']} samples, accuracy {s['val_accuracy']:.1%}"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env() -> dict[str, str]:
+    """This environment without any Slurm or torch.distributed variables, one thread a process."""
+    drop = ("SLURM_", "SRUN_", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    # Two processes with a thread per core each made training steps 8x slower on 2 cores.
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def srun_env(rank: int, launch: Launch, tmpdir: Path, port: int) -> dict[str, str]:
+    """What srun gives task `rank`, plus what job.sh exports before calling srun."""
+    node = rank // launch.tasks_per_node
+    nodes = [f"node{i + 1}" for i in range(launch.nodes)]
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": ",".join(nodes),
+        "SLURM_JOB_NUM_NODES": str(launch.nodes),
+        "SLURM_NNODES": str(launch.nodes),
+        "SLURM_NTASKS": str(launch.world_size),
+        "SLURM_NPROCS": str(launch.world_size),
+        "SLURM_NTASKS_PER_NODE": str(launch.tasks_per_node),
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": str(launch.world_size),
+        "SLURM_STEP_NUM_NODES": str(launch.nodes),
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank % launch.tasks_per_node),
+        "SLURM_NODEID": str(node),
+        "SLURMD_NODENAME": nodes[node],
+        "SLURM_CPUS_PER_TASK": "1",
+        # Each node has its own $SLURM_TMPDIR, as on Mila.
+        "SLURM_TMPDIR": str(tmpdir / nodes[node]),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def run_example(
+    name: str,
+    launch: Launch | None = None,
+    args: tuple[str, ...] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 240,
+) -> Run:
+    """Runs one example in smoke mode; `launch`, `args` and `env` override its defaults."""
+    launch = launch or EXAMPLES[name]
+    args = launch.args if args is None else args
+    folder = EXAMPLES_DIR / name
+    tmpdir = Path(tempfile.mkdtemp(prefix="smoke-"))
+    port = free_port()
+    procs, logs = [], []
+    start = time.monotonic()
+    try:
+        for rank in range(launch.world_size):
+            proc_env = base_env()
+            if launch.launcher == "srun":
+                proc_env.update(srun_env(rank, launch, tmpdir, port))
+            else:
+                proc_env.update(SLURM_TMPDIR=str(tmpdir / "node1"), SLURM_CPUS_PER_TASK="1")
+            proc_env.update(env or {})
+            Path(proc_env.get("SLURM_TMPDIR", tmpdir)).mkdir(parents=True, exist_ok=True)
+            log = open(tmpdir / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed below)
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "main.py", *args],
+                    cwd=folder,
+                    env=proc_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        returncodes = wait_all(procs, timeout)
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for log in logs:
+            log.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    run = Run(name, launch, returncodes, outputs, time.monotonic() - start)
+    run.summaries = parse_summaries("\n".join(outputs))
+    return run
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float, grace: float = 20) -> list[int]:
+    """Waits for every process; once one fails, gives the others `grace` seconds, then kills.
+
+    A rank that dies leaves the others blocked in a collective, so waiting could last forever.
+    """
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + grace)
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [p.wait() for p in procs]
+
+
+def parse_summaries(output: str) -> list[dict]:
+    """The `summary: {...}` lines of a run, sorted by rank."""
+    summaries = [
+        json.loads(line.split("summary: ", 1)[1])
+        for line in output.splitlines()
+        if line.startswith("summary: ")
+    ]
+    return sorted(summaries, key=lambda s: s.get("rank", 0))
+
+
+def check_run(run: Run, expected_val_samples: int | None = None) -> list[str]:
+    """The behaviour every smoke run must show; returns what is wrong, if anything."""
+    problems = []
+    if not run.ok:
+        return [f"exit codes {run.returncodes}"]
+    world_size = run.launch.world_size
+    ranks = [s.get("rank", 0) for s in run.summaries]
+    if ranks != list(range(world_size)):
+        problems.append(f"summaries from ranks {ranks}, expected 0..{world_size - 1}")
+    for s in run.summaries:
+        for key in ("first_loss", "last_loss", "val_loss"):
+            if not math.isfinite(s[key]):
+                problems.append(f"rank {s.get('rank', 0)}: {key} is {s[key]}")
+    metrics = [{k: v for k, v in s.items() if k not in ("rank", "host")} for s in run.summaries]
+    if any(m != metrics[0] for m in metrics):
+        problems.append(f"ranks disagree: {metrics}")
+    expected = expected_val_samples or run.launch.val_samples
+    if expected is not None and any(s["val_samples"] != expected for s in run.summaries):
+        problems.append(f"validation counted {run.summaries[0]['val_samples']} != {expected}")
+    return problems
+
+
+def main(names: list[str]) -> int:
+    unknown = set(names) - set(EXAMPLES)
+    if unknown:
+        sys.exit(f"unknown example(s): {', '.join(sorted(unknown))}; known: {', '.join(EXAMPLES)}")
+    failed = 0
+    for name in names or EXAMPLES:
+        run = run_example(name)
+        problems = check_run(run)
+        print(run.line() if not problems else f"{run.line()}  PROBLEMS: {problems}", flush=True)
+        if problems:
+            failed += 1
+            print(run.output, file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
