@@ -1,8 +1,22 @@
-"""Shared test settings: in CI, a skipped test fails the run."""
+"""Shared fixtures, and the rule that in CI a skipped test fails the run."""
 
 import os
 
 import pytest
+from smoke import Launch, run_example
+
+
+@pytest.fixture(scope="session")
+def smoke_run():
+    """Runs each (example, launch) in smoke mode once per session; several tests read it."""
+    runs = {}
+
+    def run(name: str, launch: Launch | None = None):
+        if (name, launch) not in runs:
+            runs[name, launch] = run_example(name, launch)
+        return runs[name, launch]
+
+    return run
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

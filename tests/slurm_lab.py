@@ -11,7 +11,7 @@ A site profile (tests/sites/<name>/) supplies what a cluster gives its jobs: the
 
 Used by the test suite, and by hand as root:
 
-    python tests/slurm_lab.py up      # install (apt) if needed, start, print how to use it
+    python tests/slurm_lab.py up      # install (apt) if needed, start, print SLURM_CONF
     python tests/slurm_lab.py down    # stop everything and remove what `up` made
 """
 
@@ -371,17 +371,12 @@ def _remove_made_dirs(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    lab = Lab()
     if sys.argv[1:] == ["up"]:
+        lab = Lab()
         lab.up()
-        print(f"Slurm test cluster up: nodes {', '.join(NODES)}.")
+        print(f"Slurm test cluster up, nodes {', '.join(NODES)}. To use it:")
         print(f"export SLURM_CONF={lab.conf}")
-        print("Keep this process alive while you use it; stop it with Ctrl-C.")
-        try:
-            signal.pause()
-        finally:
-            lab.down()
     elif sys.argv[1:] == ["down"]:
-        lab.down()
+        Lab().down()
     else:
         sys.exit(__doc__)

@@ -6,16 +6,6 @@ import re
 import pytest
 from smoke import EXAMPLES, EXAMPLES_DIR, MILA_VAL_SAMPLES, Launch, check_run, run_example
 
-_runs = {}
-
-
-def smoke_run(name: str, launch: Launch | None = None):
-    """Runs each (example, launch) once per test session; several tests read the result."""
-    key = (name, launch)
-    if key not in _runs:
-        _runs[key] = run_example(name, launch)
-    return _runs[key]
-
 
 def test_every_example_folder_has_a_smoke_run():
     folders = {str(p.parent.relative_to(EXAMPLES_DIR)) for p in EXAMPLES_DIR.glob("**/main.py")}
@@ -23,7 +13,7 @@ def test_every_example_folder_has_a_smoke_run():
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_smoke_run_trains_on_every_rank(name):
+def test_smoke_run_trains_on_every_rank(name, smoke_run):
     run = smoke_run(name)
     assert check_run(run) == [], run.output
     world_size = run.launch.world_size
@@ -37,14 +27,14 @@ def test_smoke_run_trains_on_every_rank(name):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_validation_counts_every_sample_exactly_once(world_size):
+def test_validation_counts_every_sample_exactly_once(world_size, smoke_run):
     launch = dataclasses.replace(EXAMPLES["mila/multi_gpu"], tasks_per_node=world_size)
     run = smoke_run("mila/multi_gpu", launch)
     assert check_run(run) == [], run.output
     assert [s["val_samples"] for s in run.summaries] == [MILA_VAL_SAMPLES] * world_size
 
 
-def test_multi_node_computes_what_one_node_computes():
+def test_multi_node_computes_what_one_node_computes(smoke_run):
     # Same number of processes, same code path for training: the numbers must be identical.
     one_node = smoke_run("mila/multi_gpu").summaries[0]
     two_nodes = smoke_run("mila/multi_node").summaries[0]

@@ -1,0 +1,203 @@
+"""Every job.sh, submitted unchanged to a real Slurm cluster, must run as on the real site.
+
+The cluster (slurm_lab.py) has two nodes with their own hostnames and IPs; each example is
+submitted with its site's profile (tests/sites/<cluster>/) and its smoke-run arguments.
+A new job.sh under examples/ is picked up here with no edit.
+"""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from slurm_lab import NODES, Lab, LabUnavailable, check_can_start
+from smoke import EXAMPLES, EXAMPLES_DIR, Launch, check_run, parse_summaries
+
+pytestmark = pytest.mark.slurm
+
+JOB_SCRIPTS = sorted(EXAMPLES_DIR.glob("**/job.sh"))
+NAMES = [str(p.parent.relative_to(EXAMPLES_DIR)) for p in JOB_SCRIPTS]
+JOB_TIMEOUT = 300  # seconds; 8 ranks importing torch on 2 cores take about a minute
+
+
+@pytest.fixture(scope="session")
+def lab():
+    lab = Lab()
+    network_existed = Path("/network").exists()  # Mila's dataset mount point
+    try:
+        lab.up()
+    except LabUnavailable as error:
+        # Only a developer without root may skip; as root, or in CI, it is a failure.
+        if os.geteuid() != 0 and not os.environ.get("CI"):
+            pytest.skip(f"Slurm test cluster unavailable: {error}")
+        pytest.fail(f"Slurm test cluster unavailable: {error}")
+    yield lab
+    lab.down()
+    assert_torn_down(network_existed)
+
+
+def assert_torn_down(network_existed: bool):
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "ddplab" not in netns
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    assert "ddplab0" not in links and "ddpv-" not in links
+    assert "ddp-slurm-lab" not in Path("/etc/hosts").read_text()
+    daemons = subprocess.run(["pgrep", "-f", "ddp-slurm-lab"], capture_output=True, text=True)
+    assert daemons.stdout == "", daemons.stdout
+    assert not Path("/tmp/ddp-slurm-lab").exists()
+    assert Path("/network").exists() == network_existed
+
+
+def sbatch_options(script: Path) -> dict[str, str]:
+    """The script's `#SBATCH --name=value` lines, as a dict."""
+    options = {}
+    for match in re.finditer(r"^#SBATCH\s+--([\w-]+)(?:[=\s]+(\S+))?", script.read_text(), re.M):
+        options[match[1]] = match[2] or ""
+    return options
+
+
+def site_of(name: str) -> str:
+    return name.split("/")[0]
+
+
+@pytest.fixture(scope="module")
+def jobs(lab, tmp_path_factory):
+    """Submits each job.sh in smoke mode once; tests read the finished jobs."""
+    done = {}
+
+    def job(name: str):
+        if name not in done:
+            workdir = tmp_path_factory.mktemp(name.replace("/", "-"))
+            script = EXAMPLES_DIR / name / "job.sh"
+            job_id = lab.sbatch(
+                script, *EXAMPLES[name].args, site=site_of(name), workdir=workdir,
+                OMP_NUM_THREADS="1",
+            )  # fmt: skip
+            done[name] = lab.wait(job_id, workdir, timeout=JOB_TIMEOUT)
+        return done[name]
+
+    return job
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sbatch_test_only_accepts_the_script(lab, name):
+    script = EXAMPLES_DIR / name / "job.sh"
+    result = subprocess.run(
+        ["sbatch", "--test-only", str(script)],
+        cwd=script.parent,
+        env=lab.env(site_of(name)),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "to start at" in result.stderr
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
+    assert name in EXAMPLES, f"{name}: add it to EXAMPLES in tests/smoke.py"
+    job = jobs(name)
+    report = f"job {job.job_id}: {job.state} {job.exit_code} in {job.elapsed:.0f} s\n{job.output}"
+    assert job.ok, report
+
+    options = sbatch_options(EXAMPLES_DIR / name / "job.sh")
+    nodes_asked = int(options.get("nodes", "1"))
+    hosts = subprocess.run(
+        ["scontrol", "show", "hostnames", job.node_list],
+        env=lab.env(),
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert len(hosts) == nodes_asked, report
+    assert set(hosts) <= set(NODES)
+
+    summaries = parse_summaries(job.output)
+    launch = EXAMPLES[name]
+    if launch.launcher == "srun":
+        tasks_per_node = int(options["ntasks-per-node"])
+        world_size = nodes_asked * tasks_per_node
+        assert [s["rank"] for s in summaries] == list(range(world_size)), report
+        # srun numbers tasks node by node: rank r runs on node r // tasks_per_node.
+        for s in summaries:
+            assert s["host"] == hosts[s["rank"] // tasks_per_node], report
+    else:
+        assert len(summaries) == 1 and summaries[0].get("host", hosts[0]) == hosts[0], report
+    if nodes_asked > 1:
+        assert {s["host"] for s in summaries} == set(hosts), "the job must span its nodes"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_job_results_match_the_direct_smoke_run(jobs, smoke_run, name):
+    job = jobs(name)
+    assert job.ok, job.output
+    options = sbatch_options(EXAMPLES_DIR / name / "job.sh")
+    launch = EXAMPLES[name]
+    if launch.launcher == "srun":
+        # The same layout as the job, launched directly: same ranks, same numbers.
+        launch = Launch(
+            "srun",
+            nodes=int(options.get("nodes", "1")),
+            tasks_per_node=int(options["ntasks-per-node"]),
+            args=launch.args,
+            val_samples=launch.val_samples,
+        )
+    direct = smoke_run(name, launch)
+    assert check_run(direct) == [], direct.output
+
+    def numbers(summaries):
+        return [{k: v for k, v in s.items() if k != "host"} for s in summaries]
+
+    assert numbers(parse_summaries(job.output)) == numbers(direct.summaries), job.output
+
+
+def test_nodes_have_their_own_hostname_and_address(lab):
+    """What the scripts rely on: per-node names and IPs, and TCP between the nodes."""
+    script = (
+        'echo "$(hostname) $(hostname -I)"; '
+        "python3 -c \"import socket; socket.create_connection(('cn1', 6818), timeout=5)\" "
+        "&& echo reached-cn1"
+    )
+    result = subprocess.run(
+        ["srun", "--nodes=2", "--ntasks-per-node=1", "--label", "bash", "-c", script],
+        env=lab.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = sorted(result.stdout.splitlines())
+    assert any(line.startswith("0: cn1 10.77.0.11") for line in lines), lines
+    assert any(line.startswith("1: cn2 10.77.0.12") for line in lines), lines
+    assert sum("reached-cn1" in line for line in lines) == 2, lines
+
+
+def test_starting_again_over_a_running_cluster_works(lab):
+    # What a crashed run leaves behind is a running cluster: `up` must clear it and start anew.
+    lab.up()
+    result = subprocess.run(
+        ["srun", "--nodes=2", "hostname"], env=lab.env(), capture_output=True, text=True
+    )
+    assert sorted(result.stdout.split()) == ["cn1", "cn2"], result.stderr
+
+
+def test_site_profile_rejects_a_module_the_site_lacks(lab, tmp_path):
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nmodule load cuda/99.9\n")
+    job = lab.wait(lab.sbatch(script, site="mila", workdir=tmp_path), tmp_path, timeout=60)
+    assert not job.ok
+    assert 'unknown module "cuda/99.9"' in job.output
+
+
+@pytest.mark.parametrize(
+    ("euid", "which", "expected"),
+    [
+        (1000, "/usr/bin/x", "needs root"),
+        (0, None, "missing and there is no apt-get"),
+    ],
+)
+def test_cluster_says_why_it_cannot_start(monkeypatch, euid, which, expected):
+    monkeypatch.setattr(os, "geteuid", lambda: euid)
+    monkeypatch.setattr("shutil.which", lambda name: which)
+    with pytest.raises(LabUnavailable, match=expected):
+        check_can_start()
