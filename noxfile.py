@@ -21,6 +21,11 @@ nox.options.sessions = ["examples", "docs"]
 ROOT = Path(__file__).parent
 PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 JOB_SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("examples/**/job.sh"))
+SITE_SCRIPTS = sorted(
+    str(p.relative_to(ROOT))
+    for p in ROOT.glob("tests/sites/**/*")
+    if p.suffix == ".sh" or p.name == "activate"
+)
 
 
 def pip_config(key: str) -> str:
@@ -77,7 +82,7 @@ def lint(session: nox.Session) -> None:
     install(session, "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    session.run("shellcheck", "-x", *JOB_SCRIPTS, *map(str, ROOT.glob("tests/sites/**/*.sh")))
+    session.run("shellcheck", "-x", *JOB_SCRIPTS, *SITE_SCRIPTS)
 
 
 @nox.session

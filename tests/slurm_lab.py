@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -28,18 +29,26 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tinyimagenet
+
 STATE = Path("/tmp/ddp-slurm-lab")
 SITES = Path(__file__).parent / "sites"
-BRIDGE = "ddplab0"
-BRIDGE_ADDR = "10.77.0.1"
+# Two networks, as on clusters whose nodes have Ethernet and InfiniBand: each node has an
+# address on both, and `hostname -I` lists them in this order. Names resolve to the first.
+NETWORKS = {"eth0": ("ddplab0", "10.77.0"), "ib0": ("ddplab1", "10.78.0")}
+BRIDGE_ADDR = "10.77.0.1"  # the controller, on the first network
 NODES = {"cn1": "10.77.0.11", "cn2": "10.77.0.12"}
 HOSTS_TAG = "# ddp-slurm-lab"
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 COMMANDS = ["slurmctld", "slurmd", "munged", "mungekey", "sbatch", "nsenter", "unshare", "ip"]
 
-# Dataset folders that the sites' job scripts read, each shown to the nodes from a folder of
-# the site profile by a bind mount inside the nodes' mount namespace.
-SITE_MOUNTS = {"/network/datasets": SITES / "mila" / "datasets"}
+# Folders that the sites' job scripts read, each shown to the nodes by a bind mount inside
+# their mount namespace: mount point -> source (relative sources are in the cluster's state).
+SITE_MOUNTS = {
+    "/network/datasets": SITES / "mila" / "datasets",
+    "/ibex/user": Path("ibex-user"),
+    "/ibex/ai/reference/CV/tinyimagenet": Path("tinyimagenet"),
+}
 
 
 class LabUnavailable(RuntimeError):
@@ -73,6 +82,8 @@ class Lab:
         """The environment to submit from: this cluster's config, plus a site's profile."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
         env["SLURM_CONF"] = str(self.conf)
+        # Job scripts name the user's folders with $USER, which CI's environment may lack.
+        env.setdefault("USER", pwd.getpwuid(os.getuid()).pw_name)
         if site is not None:
             profile = SITES / site
             env["BASH_ENV"] = str(profile / "profile.sh")
@@ -90,6 +101,7 @@ class Lab:
         self.down()  # whatever a crashed run left behind
         self.state.mkdir(parents=True)
         self._write_config()
+        self._make_site_data()
         self._start_munge()
         self._start_network()
         self._start_daemons()
@@ -108,15 +120,16 @@ class Lab:
         subprocess.run(["pkill", "-9", "-f", f"{self.state}/"], capture_output=True)
         for name in NODES:
             subprocess.run(["ip", "netns", "delete", f"ddplab-{name}"], capture_output=True)
-            subprocess.run(["ip", "link", "delete", f"ddpv-{name}"], capture_output=True)
-        subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
+            for iface in NETWORKS:
+                subprocess.run(["ip", "link", "delete", veth(name, iface)], capture_output=True)
+        for bridge, _ in NETWORKS.values():
+            subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
         hosts = Path("/etc/hosts")
         lines = hosts.read_text().splitlines(keepends=True)
         kept = [line for line in lines if HOSTS_TAG not in line]
         if kept != lines:
             hosts.write_text("".join(kept))
-        for mountpoint in SITE_MOUNTS:
-            _remove_made_dirs(Path(mountpoint))
+        _remove_made_dirs()
         shutil.rmtree(self.state, ignore_errors=True)
 
     def _write_config(self) -> None:
@@ -174,6 +187,15 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             f"Name=gpu Type=v100 File={s}/gpus/nvidia[4-7]\n"
         )
 
+    def _make_site_data(self) -> None:
+        """What the site profiles need beyond their committed files."""
+        # Ibex: the user's own miniconda, at /ibex/user/$USER/miniconda3.
+        user = self.env()["USER"]
+        (self.state / "ibex-user" / user).mkdir(parents=True)
+        (self.state / "ibex-user" / user / "miniconda3").symlink_to(SITES / "ibex" / "miniconda3")
+        # Ibex: TinyImageNet, small and synthetic, in the real on-disk layout.
+        tinyimagenet.make(self.state / "tinyimagenet")
+
     def _start_munge(self) -> None:
         m = self.state / "munge"
         m.chmod(0o755)  # clients on every node reach the socket through this folder
@@ -192,18 +214,22 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         )
 
     def _start_network(self) -> None:
-        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{BRIDGE_ADDR}/24", "dev", BRIDGE])
-        _run(["ip", "link", "set", BRIDGE, "up"])
+        for bridge, prefix in NETWORKS.values():
+            _run(["ip", "link", "add", bridge, "type", "bridge"])
+            _run(["ip", "addr", "add", f"{prefix}.1/24", "dev", bridge])
+            _run(["ip", "link", "set", bridge, "up"])
         for name, addr in NODES.items():
-            ns, veth = f"ddplab-{name}", f"ddpv-{name}"
-            _run(["ip", "netns", "add", ns])
-            _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
-            _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
+            ns = f"ddplab-{name}"
             inside = ["ip", "-n", ns]
-            _run([*inside, "addr", "add", f"{addr}/24", "dev", "eth0"])
-            _run([*inside, "link", "set", "eth0", "up"])
+            _run(["ip", "netns", "add", ns])
             _run([*inside, "link", "set", "lo", "up"])
+            host_part = addr.rsplit(".", 1)[1]
+            for iface, (bridge, prefix) in NETWORKS.items():
+                pair = ["ip", "link", "add", veth(name, iface), "type", "veth"]
+                _run([*pair, "peer", "name", iface, "netns", ns])
+                _run(["ip", "link", "set", veth(name, iface), "master", bridge, "up"])
+                _run([*inside, "addr", "add", f"{prefix}.{host_part}/24", "dev", iface])
+                _run([*inside, "link", "set", iface, "up"])
             _run([*inside, "route", "add", "default", "via", BRIDGE_ADDR])
         with open("/etc/hosts", "a") as hosts:
             for name, addr in NODES.items():
@@ -221,7 +247,7 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         mounts = []
         for mountpoint, source in SITE_MOUNTS.items():
             _make_dirs(Path(mountpoint))
-            mounts.append(f"mount --bind {source} {mountpoint}")
+            mounts.append(f"mount --bind {self.state / source} {mountpoint}")
         for name in NODES:
             # In the node's own UTS and mount namespaces: its hostname, the sites' dataset
             # folders, and no resolv.conf, since DNS is unreachable from here and every lookup
@@ -264,14 +290,20 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     # ----------------------------------------------------------------------------------------
     # Jobs
 
-    def sbatch(self, script: Path, *args: str, site: str, workdir: Path, **extra) -> str:
-        """Submits `script` unchanged, from its own folder, and returns the job ID."""
+    def sbatch(
+        self, script: Path, *args: str, site: str, workdir: Path, options=(), **extra
+    ) -> str:
+        """Submits `script` unchanged, from its own folder, and returns the job ID.
+
+        `options` go to sbatch (they override the script's #SBATCH lines), `args` to the script.
+        """
         out = _run(
             [
                 "sbatch",
                 "--parsable",
                 f"--chdir={script.parent}",
                 f"--output={workdir}/slurm-%j.out",
+                *options,
                 str(script),
                 *args,
             ],
@@ -361,7 +393,12 @@ def _make_dirs(path: Path) -> None:
         made.writelines(f"{p}\n" for p in missing)
 
 
-def _remove_made_dirs(path: Path) -> None:
+def veth(node: str, iface: str) -> str:
+    """The host's end of a node's interface."""
+    return f"ddp{iface[0]}-{node}"
+
+
+def _remove_made_dirs() -> None:
     made = STATE / "made_dirs"
     if not made.exists():
         return

@@ -1,9 +1,11 @@
 """Runs the examples in CPU smoke mode: gloo, synthetic data, a few steps, one thread a process.
 
-Each example is launched the way its job.sh launches it, without Slurm. For an srun-style
-script, one process per task, each with the SLURM_* variables that srun would give it, and the
-MASTER_ADDR/MASTER_PORT that job.sh would export. The Slurm tests (test_slurm.py) submit the
-job.sh files themselves to a real cluster, with the same arguments.
+Each example is launched the way its job.sh launches it, without Slurm: one process per Slurm
+task, each with the SLURM_* variables that srun would give it and what job.sh exports before
+srun. The task runs main.py itself, or the launcher that job.sh starts in it: torchrun, or the
+deprecated torch.distributed.launch, which then start main.py once per (pretend) GPU. The Slurm
+tests (test_slurm.py) submit the job.sh files themselves to a real cluster, with the same
+arguments.
 
     python tests/smoke.py                  # every example, one line each
     python tests/smoke.py mila/multi_gpu   # just these
@@ -23,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tinyimagenet
+
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 
 # Small and fast, but through the same code as a real run: sampler, training steps, validation.
@@ -33,21 +37,29 @@ MILA_SMOKE_ARGS = (
     "--epochs", "1", "--max-steps", "4",
 )  # fmt: skip
 MILA_VAL_SAMPLES = 25
+# The Ibex examples read a generated TinyImageNet (tinyimagenet.py) of 5 classes x 5 validation
+# images; these arguments just keep the run short.
+IBEX_SMOKE_ARGS = ("--epochs", "1", "--max-steps", "3", "--batch-size", "8")
+IBEX_VAL_SAMPLES = 25
 
 
 @dataclass(frozen=True)
 class Launch:
     """How an example's job.sh starts main.py, and the arguments of its smoke run."""
 
-    launcher: str  # "python": one process; "srun": one process per Slurm task
+    # "python": main.py alone; "srun": main.py in each task; "torchrun" or
+    # "torch.distributed.launch": that launcher in each task, starting procs_per_task processes
+    launcher: str
     nodes: int = 1
     tasks_per_node: int = 1
+    procs_per_task: int = 1
     args: tuple[str, ...] = ()
     val_samples: int | None = None  # the validation set's size under `args`
+    dataset: str | None = None  # "tinyimagenet": generate one, and export DATA_DIR to it
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.tasks_per_node
+        return self.nodes * self.tasks_per_node * self.procs_per_task
 
 
 # Every example folder, with how its job.sh launches it, scaled down to 2 processes.
@@ -59,7 +71,19 @@ EXAMPLES: dict[str, Launch] = {
     "mila/multi_node": Launch(
         "srun", nodes=2, tasks_per_node=1, args=MILA_SMOKE_ARGS, val_samples=MILA_VAL_SAMPLES
     ),
-}
+    "ibex/single_node": Launch(
+        "torchrun", procs_per_task=2, args=IBEX_SMOKE_ARGS,
+        val_samples=IBEX_VAL_SAMPLES, dataset="tinyimagenet",
+    ),
+    "ibex/multi_node": Launch(
+        "torchrun", nodes=2, args=IBEX_SMOKE_ARGS,
+        val_samples=IBEX_VAL_SAMPLES, dataset="tinyimagenet",
+    ),
+    "ibex/multi_node_legacy": Launch(
+        "torch.distributed.launch", nodes=2, args=IBEX_SMOKE_ARGS,
+        val_samples=IBEX_VAL_SAMPLES, dataset="tinyimagenet",
+    ),
+}  # fmt: skip
 
 
 @dataclass
@@ -67,7 +91,7 @@ class Run:
     name: str
     launch: Launch
     returncodes: list[int]
-    outputs: list[str]  # stdout and stderr of each process, by rank
+    outputs: list[str]  # stdout and stderr of each Slurm task, in order
     elapsed: float
     summaries: list[dict] = field(default_factory=list)
 
@@ -77,11 +101,12 @@ class Run:
 
     @property
     def output(self) -> str:
-        return "\n".join(f"--- rank {r}\n{out}" for r, out in enumerate(self.outputs))
+        return "\n".join(f"--- task {t}\n{out}" for t, out in enumerate(self.outputs))
 
     def line(self) -> str:
         """The one-line result that `nox -s examples` prints."""
-        shape = f"{self.launch.nodes} node(s) x {self.launch.tasks_per_node} process(es)"
+        per_node = self.launch.tasks_per_node * self.launch.procs_per_task
+        shape = f"{self.launch.nodes} node(s) x {per_node} process(es)"
         head = f"{self.name:<22} {shape:<28} {self.elapsed:5.1f} s"
         if not self.ok:
             return f"{head}  FAILED (exit codes {self.returncodes})"
@@ -112,16 +137,17 @@ def srun_env(rank: int, launch: Launch, tmpdir: Path, port: int) -> dict[str, st
     """What srun gives task `rank`, plus what job.sh exports before calling srun."""
     node = rank // launch.tasks_per_node
     nodes = [f"node{i + 1}" for i in range(launch.nodes)]
+    n_tasks = launch.nodes * launch.tasks_per_node
     return {
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": ",".join(nodes),
         "SLURM_JOB_NUM_NODES": str(launch.nodes),
         "SLURM_NNODES": str(launch.nodes),
-        "SLURM_NTASKS": str(launch.world_size),
-        "SLURM_NPROCS": str(launch.world_size),
+        "SLURM_NTASKS": str(n_tasks),
+        "SLURM_NPROCS": str(n_tasks),
         "SLURM_NTASKS_PER_NODE": str(launch.tasks_per_node),
         "SLURM_STEP_ID": "0",
-        "SLURM_STEP_NUM_TASKS": str(launch.world_size),
+        "SLURM_STEP_NUM_TASKS": str(n_tasks),
         "SLURM_STEP_NUM_NODES": str(launch.nodes),
         "SLURM_PROCID": str(rank),
         "SLURM_LOCALID": str(rank % launch.tasks_per_node),
@@ -133,6 +159,26 @@ def srun_env(rank: int, launch: Launch, tmpdir: Path, port: int) -> dict[str, st
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
     }
+
+
+def command(launch: Launch, task: int, port: int) -> list[str]:
+    """What a task runs: main.py, or the launcher that job.sh starts in the task."""
+    node = task // launch.tasks_per_node
+    if launch.launcher == "torchrun":
+        launcher = [
+            "-m", "torch.distributed.run", f"--nnodes={launch.nodes}",
+            f"--nproc-per-node={launch.procs_per_task}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=4242",
+        ]  # fmt: skip
+    elif launch.launcher == "torch.distributed.launch":
+        launcher = [
+            "-m", "torch.distributed.launch", "--use_env",
+            f"--nproc_per_node={launch.procs_per_task}", f"--nnodes={launch.nodes}",
+            f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+        ]  # fmt: skip
+    else:
+        launcher = []
+    return [sys.executable, *launcher, "main.py"]
 
 
 def run_example(
@@ -151,19 +197,24 @@ def run_example(
     procs, logs = [], []
     start = time.monotonic()
     try:
-        for rank in range(launch.world_size):
+        data_env = {}
+        if launch.dataset == "tinyimagenet":
+            tinyimagenet.make(tmpdir / "tinyimagenet")
+            data_env["DATA_DIR"] = str(tmpdir / "tinyimagenet")
+        for task in range(launch.nodes * launch.tasks_per_node):
             proc_env = base_env()
-            if launch.launcher == "srun":
-                proc_env.update(srun_env(rank, launch, tmpdir, port))
-            else:
+            proc_env.update(data_env)
+            if launch.launcher == "python":
                 proc_env.update(SLURM_TMPDIR=str(tmpdir / "node1"), SLURM_CPUS_PER_TASK="1")
+            else:
+                proc_env.update(srun_env(task, launch, tmpdir, port))
             proc_env.update(env or {})
             Path(proc_env.get("SLURM_TMPDIR", tmpdir)).mkdir(parents=True, exist_ok=True)
-            log = open(tmpdir / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed below)
+            log = open(tmpdir / f"task{task}.log", "w+")  # noqa: SIM115 (closed below)
             logs.append(log)
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "main.py", *args],
+                    [*command(launch, task, port), *args],
                     cwd=folder,
                     env=proc_env,
                     stdout=log,

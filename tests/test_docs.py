@@ -39,6 +39,7 @@ def included_files(pattern):
 def test_site_builds_with_warnings_as_errors(html):
     assert (html / "index.html").exists()
     assert (html / "clusters" / "mila.html").exists()
+    assert (html / "clusters" / "ibex.html").exists()
 
 
 def test_every_example_file_is_shown_whole_on_a_page():
@@ -77,12 +78,19 @@ def test_pages_have_no_untested_code_blocks():
                 continue  # a directive: literalinclude, toctree, ...
             lines = [line for line in body if line.strip()]
             assert len(lines) <= 1, f"{page.name}: a {len(lines)}-line code block: {lines}"
+        if page.suffix == ".rst":
+            # reStructuredText pages show code only through literalinclude.
+            assert not re.search(r"^\s*\.\. (code-block|code|sourcecode)::", page.read_text(), re.M)
+            for line in page.read_text().splitlines():
+                directive = re.match(r"\s*\.\. [\w-]+::", line)
+                assert directive or not line.rstrip().endswith("::"), f"literal block: {line}"
 
 
-def test_diffs_show_relative_paths_and_have_no_copy_button(html):
-    page = (html / "clusters" / "mila.html").read_text()
-    assert page.count('class="highlight-udiff') == 4
-    assert str(ROOT) not in page
-    assert "--- examples/mila/single_gpu/main.py" in page
+@pytest.mark.parametrize(("page", "diffs"), [("mila", 4), ("ibex", 4)])
+def test_diffs_show_relative_paths_and_have_no_copy_button(html, page, diffs):
+    text = (html / "clusters" / f"{page}.html").read_text()
+    assert text.count('class="highlight-udiff') == diffs
+    assert str(ROOT) not in text
+    assert f"--- examples/{page}/" in text
     conf = (DOCS / "conf.py").read_text()
     assert 'copybutton_selector = "div:not(.highlight-udiff) > div.highlight > pre"' in conf

@@ -1,10 +1,12 @@
 """Every example, run in CPU smoke mode as its job.sh launches it, must train correctly."""
 
 import dataclasses
+import importlib.util
 import re
 
 import pytest
-from smoke import EXAMPLES, EXAMPLES_DIR, MILA_VAL_SAMPLES, Launch, check_run, run_example
+import tinyimagenet
+from smoke import EXAMPLES, EXAMPLES_DIR, Launch, base_env, check_run, run_example
 
 
 def test_every_example_folder_has_a_smoke_run():
@@ -18,30 +20,52 @@ def test_smoke_run_trains_on_every_rank(name, smoke_run):
     assert check_run(run) == [], run.output
     world_size = run.launch.world_size
     if world_size > 1:
-        for rank, output in enumerate(run.outputs):
-            assert f"[{rank}/{world_size}] Running on" in output, output
+        for rank in range(world_size):
+            assert f"[{rank}/{world_size}] Running on" in run.output, run.output
+    max_steps = int(run.launch.args[run.launch.args.index("--max-steps") + 1])
     for summary in run.summaries:
-        assert summary["steps"] == 4
-        # A few steps on the synthetic set, whose classes differ in tint, must lower the loss.
+        assert summary["steps"] == max_steps
+        # A few steps on synthetic classes that differ in colour must lower the loss.
         assert summary["last_loss"] < summary["first_loss"], summary
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_validation_counts_every_sample_exactly_once(world_size, smoke_run):
-    launch = dataclasses.replace(EXAMPLES["mila/multi_gpu"], tasks_per_node=world_size)
-    run = smoke_run("mila/multi_gpu", launch)
+@pytest.mark.parametrize(
+    ("name", "field"),
+    [("mila/multi_gpu", "tasks_per_node"), ("ibex/single_node", "procs_per_task")],
+)
+def test_validation_counts_every_sample_exactly_once(name, field, world_size, smoke_run):
+    launch = dataclasses.replace(EXAMPLES[name], **{field: world_size})
+    run = smoke_run(name, launch)
     assert check_run(run) == [], run.output
-    assert [s["val_samples"] for s in run.summaries] == [MILA_VAL_SAMPLES] * world_size
+    assert [s["val_samples"] for s in run.summaries] == [launch.val_samples] * world_size
 
 
-def test_multi_node_computes_what_one_node_computes(smoke_run):
-    # Same number of processes, same code path for training: the numbers must be identical.
-    one_node = smoke_run("mila/multi_gpu").summaries[0]
-    two_nodes = smoke_run("mila/multi_node").summaries[0]
-    ignore = {"host"}
-    assert {k: v for k, v in one_node.items() if k not in ignore} == {
-        k: v for k, v in two_nodes.items() if k not in ignore
-    }
+def numbers(run):
+    return [{k: v for k, v in s.items() if k != "host"} for s in run.summaries]
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("mila/multi_gpu", "mila/multi_node"),
+        ("ibex/single_node", "ibex/multi_node"),
+        ("ibex/multi_node", "ibex/multi_node_legacy"),
+    ],
+)
+def test_same_process_count_gives_the_same_numbers(one, other, smoke_run):
+    # One node or two, torchrun or the old launcher: with as many processes, training takes
+    # the same steps on the same data, and must end with identical numbers.
+    assert smoke_run(one).launch.world_size == smoke_run(other).launch.world_size
+    assert numbers(smoke_run(one)) == numbers(smoke_run(other))
+
+
+def test_smoke_runs_inherit_no_slurm_variables(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    monkeypatch.setenv("RANK", "3")
+    env = base_env()
+    assert "SLURM_JOB_ID" not in env and "RANK" not in env
+    assert env["OMP_NUM_THREADS"] == "1"
 
 
 SRUN_EXAMPLES = [name for name, launch in EXAMPLES.items() if launch.launcher == "srun"]
@@ -79,7 +103,11 @@ def test_rank_outside_the_task_count_is_refused(name):
     assert "srun" in run.output
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+MILA_EXAMPLES = [name for name in EXAMPLES if name.startswith("mila/")]
+IBEX_EXAMPLES = [name for name in EXAMPLES if name.startswith("ibex/")]
+
+
+@pytest.mark.parametrize("name", MILA_EXAMPLES)
 def test_missing_dataset_names_the_path_and_the_switch(name):
     launch = EXAMPLES[name]
     # Every rank must stop with the message: none may wait at a barrier for the others.
@@ -87,3 +115,41 @@ def test_missing_dataset_names_the_path_and_the_switch(name):
     for output in run.outputs:
         assert re.search(r"CIFAR-10 not found: expected \S+/cifar-10-python\.tar\.gz", output)
         assert "--synthetic-data" in output
+
+
+@pytest.mark.parametrize("name", IBEX_EXAMPLES)
+def test_ibex_missing_dataset_names_the_folder_and_data_dir(name):
+    run = failed_run(name, EXAMPLES[name], env={"DATA_DIR": "/nonexistent/tinyimagenet"})
+    assert "TinyImageNet not found in /nonexistent/tinyimagenet" in run.output
+    assert "DATA_DIR" in run.output
+
+
+@pytest.mark.parametrize("name", IBEX_EXAMPLES)
+def test_ibex_without_torchrun_the_error_says_how_to_launch(name):
+    run = failed_run(name, Launch("python"), args=EXAMPLES[name].args)
+    assert "LOCAL_RANK, RANK, WORLD_SIZE not set" in run.output
+    assert "torchrun" in run.output
+
+
+def load_main(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES_DIR / name / "main.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", IBEX_EXAMPLES)
+def test_tinyimagenet_validation_labels_follow_the_annotations(name, tmp_path):
+    truth = tinyimagenet.make(tmp_path)
+    main = load_main(name)
+    train, valid = main.make_datasets(tmp_path)
+    assert len(valid) == len(truth)
+    # A file listed under class k in val_annotations.txt gets label k, the index that the
+    # training set's ImageFolder gave class k.
+    for path, label in valid.samples:
+        assert train.classes[label] == truth[path.name]
+    # The labels come from the file, not from the order of the files: they are interleaved.
+    labels = [label for _, label in valid.samples]
+    assert labels != sorted(labels)
+    image, label = valid[0]
+    assert tuple(image.shape) == (3, 64, 64)

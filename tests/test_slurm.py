@@ -5,9 +5,11 @@ submitted with its site's profile (tests/sites/<cluster>/) and its smoke-run arg
 A new job.sh under examples/ is picked up here with no edit.
 """
 
+import dataclasses
 import os
 import re
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -41,7 +43,7 @@ def assert_torn_down(network_existed: bool):
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "ddplab" not in netns
     links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
-    assert "ddplab0" not in links and "ddpv-" not in links
+    assert "ddplab" not in links and "ddpe-" not in links and "ddpi-" not in links
     assert "ddp-slurm-lab" not in Path("/etc/hosts").read_text()
     daemons = subprocess.run(["pgrep", "-f", "ddp-slurm-lab"], capture_output=True, text=True)
     assert daemons.stdout == "", daemons.stdout
@@ -55,6 +57,22 @@ def sbatch_options(script: Path) -> dict[str, str]:
     for match in re.finditer(r"^#SBATCH\s+--([\w-]+)(?:[=\s]+(\S+))?", script.read_text(), re.M):
         options[match[1]] = match[2] or ""
     return options
+
+
+def job_layout(name: str) -> Launch:
+    """The example's smoke launch, scaled to what its job.sh asks for: same nodes and ranks."""
+    options = sbatch_options(EXAMPLES_DIR / name / "job.sh")
+    launch = EXAMPLES[name]
+    nodes = int(options.get("nodes", "1"))
+    if launch.launcher == "python":
+        return launch
+    if launch.launcher == "srun":
+        return dataclasses.replace(
+            launch, nodes=nodes, tasks_per_node=int(options["ntasks-per-node"])
+        )
+    # torchrun and the old launcher start a process per GPU in each (single) task of a node.
+    gpus_per_node = int(options["gpus-per-node"].split(":")[-1])
+    return dataclasses.replace(launch, nodes=nodes, tasks_per_node=1, procs_per_task=gpus_per_node)
 
 
 def site_of(name: str) -> str:
@@ -101,47 +119,34 @@ def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
     report = f"job {job.job_id}: {job.state} {job.exit_code} in {job.elapsed:.0f} s\n{job.output}"
     assert job.ok, report
 
-    options = sbatch_options(EXAMPLES_DIR / name / "job.sh")
-    nodes_asked = int(options.get("nodes", "1"))
+    layout = job_layout(name)
     hosts = subprocess.run(
         ["scontrol", "show", "hostnames", job.node_list],
         env=lab.env(),
         capture_output=True,
         text=True,
     ).stdout.split()
-    assert len(hosts) == nodes_asked, report
+    assert len(hosts) == layout.nodes, report
     assert set(hosts) <= set(NODES)
 
     summaries = parse_summaries(job.output)
-    launch = EXAMPLES[name]
-    if launch.launcher == "srun":
-        tasks_per_node = int(options["ntasks-per-node"])
-        world_size = nodes_asked * tasks_per_node
-        assert [s["rank"] for s in summaries] == list(range(world_size)), report
+    per_node = layout.tasks_per_node * layout.procs_per_task
+    assert [s.get("rank", 0) for s in summaries] == list(range(layout.world_size)), report
+    # Each node runs its share of the ranks, and every node of the job takes part.
+    placed = Counter(s.get("host", hosts[0]) for s in summaries)
+    assert placed == dict.fromkeys(hosts, per_node), report
+    if layout.launcher == "srun":
         # srun numbers tasks node by node: rank r runs on node r // tasks_per_node.
         for s in summaries:
-            assert s["host"] == hosts[s["rank"] // tasks_per_node], report
-    else:
-        assert len(summaries) == 1 and summaries[0].get("host", hosts[0]) == hosts[0], report
-    if nodes_asked > 1:
-        assert {s["host"] for s in summaries} == set(hosts), "the job must span its nodes"
+            assert s["host"] == hosts[s["rank"] // per_node], report
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_job_results_match_the_direct_smoke_run(jobs, smoke_run, name):
     job = jobs(name)
     assert job.ok, job.output
-    options = sbatch_options(EXAMPLES_DIR / name / "job.sh")
-    launch = EXAMPLES[name]
-    if launch.launcher == "srun":
-        # The same layout as the job, launched directly: same ranks, same numbers.
-        launch = Launch(
-            "srun",
-            nodes=int(options.get("nodes", "1")),
-            tasks_per_node=int(options["ntasks-per-node"]),
-            args=launch.args,
-            val_samples=launch.val_samples,
-        )
+    # The same layout as the job, launched directly: same ranks, same numbers.
+    launch = job_layout(name)
     direct = smoke_run(name, launch)
     assert check_run(direct) == [], direct.output
 
@@ -187,6 +192,21 @@ def test_site_profile_rejects_a_module_the_site_lacks(lab, tmp_path):
     job = lab.wait(lab.sbatch(script, site="mila", workdir=tmp_path), tmp_path, timeout=60)
     assert not job.ok
     assert 'unknown module "cuda/99.9"' in job.output
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if EXAMPLES[n].launcher == "torchrun"])
+def test_torchrun_script_refuses_one_task_per_gpu(lab, tmp_path, name):
+    # The classic mistake: a task per GPU, each starting torchrun, which starts a process per
+    # GPU: G x G processes. The guard in job.sh must stop the job before any starts.
+    script = EXAMPLES_DIR / name / "job.sh"
+    job_id = lab.sbatch(
+        script, *EXAMPLES[name].args, site=site_of(name), workdir=tmp_path,
+        options=["--ntasks-per-node=2"],
+    )  # fmt: skip
+    job = lab.wait(job_id, tmp_path, timeout=60)
+    assert not job.ok, job.output
+    assert "torchrun must run once per node" in job.output
+    assert "summary:" not in job.output and "Running on" not in job.output
 
 
 @pytest.mark.parametrize(

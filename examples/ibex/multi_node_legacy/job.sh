@@ -1,0 +1,43 @@
+#!/bin/bash
+#SBATCH --job-name=ibex_multi_node_legacy
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus=4
+#SBATCH --gpus-per-node=2
+#SBATCH --constraint=v100
+#SBATCH --cpus-per-task=16
+#SBATCH --time=00:10:00
+
+# The older way to launch, as earlier Ibex documentation showed it: kept to compare with
+# ../multi_node/job.sh, which the Ibex page explains. Do not start new work from it.
+set -e
+
+scontrol show job "$SLURM_JOB_ID"
+
+# --- Ibex: software environment and data -------------------------------------------------
+# shellcheck source=/dev/null
+source "/ibex/user/$USER/miniconda3/bin/activate" dist-pytorch
+export DATA_DIR=/ibex/ai/reference/CV/tinyimagenet
+
+export NCCL_DEBUG=INFO
+export PYTHONFAULTHANDLER=1
+export OMP_NUM_THREADS=1
+
+mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+head_node=${nodes[0]}
+# The head node's address: whichever comes second in its list of addresses.
+master_ip=$(srun --nodes=1 --ntasks=1 --gpus=1 -w "$head_node" hostname -I | cut -d " " -f 2)
+# A port that is free on this node at this moment.
+master_port=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1]); s.close()')
+echo "Rendezvous at $master_ip:$master_port"
+
+# One srun per node, in the background, each starting the deprecated launcher for its node.
+for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do
+    srun --nodes=1 --ntasks=1 -c "$SLURM_CPUS_PER_TASK" --gpus="$SLURM_GPUS_PER_NODE" \
+        -w "${nodes[i]}" \
+        python -m torch.distributed.launch --use_env \
+        --nproc_per_node="$SLURM_GPUS_ON_NODE" --nnodes="$SLURM_JOB_NUM_NODES" \
+        --node_rank="$i" --master_addr="$master_ip" --master_port="$master_port" \
+        main.py "$@" &
+done
+wait

@@ -1,0 +1,58 @@
+#!/bin/bash
+#SBATCH --job-name=ibex_single_node
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus=2
+#SBATCH --gpus-per-node=2
+#SBATCH --constraint=v100
+#SBATCH --cpus-per-task=16
+#SBATCH --time=00:10:00
+
+# Stop at the first failing command rather than train on a half-prepared job.
+set -e
+
+# The resources Slurm granted, at the top of the output, for when something looks wrong.
+scontrol show job "$SLURM_JOB_ID"
+
+# --- Ibex: software environment and data -------------------------------------------------
+# A conda environment in your own folder; create it once with the commands on the Ibex page.
+# shellcheck source=/dev/null
+source "/ibex/user/$USER/miniconda3/bin/activate" dist-pytorch
+export DATA_DIR=/ibex/ai/reference/CV/tinyimagenet
+
+# NCCL_DEBUG=INFO logs the network and GPU links NCCL picks at start: the first thing to read
+# when multi-GPU training is slow or hangs. PYTHONFAULTHANDLER=1 prints each thread's Python
+# stack when a process crashes or is killed, so a hang that ends in a timeout shows where.
+export NCCL_DEBUG=INFO
+export PYTHONFAULTHANDLER=1
+# The processes get their parallelism from DataLoader workers and the GPU; one OpenMP thread
+# each keeps them from crowding the task's CPUs.
+export OMP_NUM_THREADS=1
+# Since Slurm 22.05, srun no longer inherits --cpus-per-task from the job: pass it on.
+export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+
+# torchrun starts a process per GPU itself, so it must run once per node. With one srun task
+# per GPU instead, each of G tasks would start G processes: G x G in all.
+if ((SLURM_NTASKS != SLURM_JOB_NUM_NODES)); then
+    echo "error: $SLURM_NTASKS tasks on $SLURM_JOB_NUM_NODES node(s), but torchrun must run" \
+        "once per node: use #SBATCH --ntasks-per-node=1" >&2
+    exit 1
+fi
+
+# The rendezvous: the job's first node, by the name every node resolves, and a port derived
+# from the job ID, so that jobs sharing a node use different ports. torchrun's c10d rendezvous
+# listens there itself, on whichever node it is.
+mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+head_node=${nodes[0]}
+port=$((10000 + SLURM_JOB_ID % 10000))
+echo "Rendezvous at $head_node:$port"
+
+# One torchrun per node, each starting one process per GPU of its node.
+# Arguments after `sbatch job.sh` reach main.py, e.g. `sbatch job.sh --epochs 1`.
+srun torchrun \
+    --nnodes="$SLURM_JOB_NUM_NODES" \
+    --nproc-per-node="$SLURM_GPUS_ON_NODE" \
+    --rdzv-backend=c10d \
+    --rdzv-endpoint="$head_node:$port" \
+    --rdzv-id="$SLURM_JOB_ID" \
+    main.py "$@"
