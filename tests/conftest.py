@@ -11,10 +11,11 @@ def smoke_run():
     """Runs each (example, launch) in smoke mode once per session; several tests read it."""
     runs = {}
 
-    def run(name: str, launch: Launch | None = None):
-        if (name, launch) not in runs:
-            runs[name, launch] = run_example(name, launch)
-        return runs[name, launch]
+    def run(name: str, launch: Launch | None = None, env: dict[str, str] | None = None):
+        key = (name, launch, tuple(sorted((env or {}).items())))
+        if key not in runs:
+            runs[key] = run_example(name, launch, env=env)
+        return runs[key]
 
     return run
 

@@ -48,6 +48,8 @@ SITE_MOUNTS = {
     "/network/datasets": SITES / "mila" / "datasets",
     "/ibex/user": Path("ibex-user"),
     "/ibex/ai/reference/CV/tinyimagenet": Path("tinyimagenet"),
+    # Generic scripts activate a virtual environment in the submitting user's home.
+    str(Path.home() / "venvs" / "ddp"): SITES / "generic" / "venv",
 }
 
 
@@ -82,8 +84,9 @@ class Lab:
         """The environment to submit from: this cluster's config, plus a site's profile."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
         env["SLURM_CONF"] = str(self.conf)
-        # Job scripts name the user's folders with $USER, which CI's environment may lack.
+        # Job scripts name the user's folders with $USER and $HOME, which CI may not set.
         env.setdefault("USER", pwd.getpwuid(os.getuid()).pw_name)
+        env.setdefault("HOME", str(Path.home()))
         if site is not None:
             profile = SITES / site
             env["BASH_ENV"] = str(profile / "profile.sh")

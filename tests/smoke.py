@@ -41,6 +41,12 @@ MILA_VAL_SAMPLES = 25
 # images; these arguments just keep the run short.
 IBEX_SMOKE_ARGS = ("--epochs", "1", "--max-steps", "3", "--batch-size", "8")
 IBEX_VAL_SAMPLES = 25
+# The generic examples: a few epochs of a tiny regression, or a few steps of ResNet-50.
+GENERIC_SMOKE_ARGS = ("--epochs", "3", "--dataset-size", "256")
+SPAWN_SMOKE_ARGS = (
+    "--synthetic-data", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "4",
+    "--lr", "0.001", "--nprocs", "2",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,18 @@ EXAMPLES: dict[str, Launch] = {
         "torch.distributed.launch", nodes=2, args=IBEX_SMOKE_ARGS,
         val_samples=IBEX_VAL_SAMPLES, dataset="tinyimagenet",
     ),
+    "generic/first_ddp": Launch("torchrun", procs_per_task=2, args=GENERIC_SMOKE_ARGS),
+    "generic/srun_tasks": Launch("srun", nodes=2, args=GENERIC_SMOKE_ARGS),
+    "generic/srun_torchrun": Launch("torchrun", nodes=2, args=GENERIC_SMOKE_ARGS),
+    "generic/mp_spawn": Launch("python", procs_per_task=2, args=SPAWN_SMOKE_ARGS),
+    "generic/any_launcher": Launch("srun", tasks_per_node=2, args=GENERIC_SMOKE_ARGS),
 }  # fmt: skip
+
+# Examples that are also run under other launchers than their job.sh's.
+MORE_LAUNCHES: list[tuple[str, Launch]] = [
+    ("generic/any_launcher", Launch("torchrun", procs_per_task=2, args=GENERIC_SMOKE_ARGS)),
+    ("generic/any_launcher", Launch("python", args=GENERIC_SMOKE_ARGS)),
+]
 
 
 @dataclass
@@ -107,14 +124,14 @@ class Run:
         """The one-line result that `nox -s examples` prints."""
         per_node = self.launch.tasks_per_node * self.launch.procs_per_task
         shape = f"{self.launch.nodes} node(s) x {per_node} process(es)"
-        head = f"{self.name:<22} {shape:<28} {self.elapsed:5.1f} s"
+        head = f"{self.name:<22} {self.launch.launcher:<24} {shape:<28} {self.elapsed:5.1f} s"
         if not self.ok:
             return f"{head}  FAILED (exit codes {self.returncodes})"
         s = self.summaries[0]
-        return (
-            f"{head}  ok  loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}, "
-            f"val {s['val_samples']} samples, accuracy {s['val_accuracy']:.1%}"
-        )
+        line = f"{head}  ok  loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}"
+        if "val_samples" in s:
+            line += f", val {s['val_samples']} samples, accuracy {s['val_accuracy']:.1%}"
+        return line
 
 
 def free_port() -> int:
@@ -255,12 +272,18 @@ def wait_all(procs: list[subprocess.Popen], timeout: float, grace: float = 20) -
 
 
 def parse_summaries(output: str) -> list[dict]:
-    """The `summary: {...}` lines of a run, sorted by rank."""
-    summaries = [
-        json.loads(line.split("summary: ", 1)[1])
-        for line in output.splitlines()
-        if line.startswith("summary: ")
-    ]
+    """The `summary: {...}` records of a run, sorted by rank.
+
+    Processes that share a stdout (under torchrun) can interleave their lines, so each record
+    is decoded where it starts rather than line by line.
+    """
+    decoder = json.JSONDecoder()
+    summaries = []
+    start = output.find("summary: ")
+    while start != -1:
+        record, end = decoder.raw_decode(output, start + len("summary: "))
+        summaries.append(record)
+        start = output.find("summary: ", end)
     return sorted(summaries, key=lambda s: s.get("rank", 0))
 
 
@@ -275,7 +298,7 @@ def check_run(run: Run, expected_val_samples: int | None = None) -> list[str]:
         problems.append(f"summaries from ranks {ranks}, expected 0..{world_size - 1}")
     for s in run.summaries:
         for key in ("first_loss", "last_loss", "val_loss"):
-            if not math.isfinite(s[key]):
+            if key in s and not math.isfinite(s[key]):
                 problems.append(f"rank {s.get('rank', 0)}: {key} is {s[key]}")
     metrics = [{k: v for k, v in s.items() if k not in ("rank", "host")} for s in run.summaries]
     if any(m != metrics[0] for m in metrics):
@@ -291,8 +314,10 @@ def main(names: list[str]) -> int:
     if unknown:
         sys.exit(f"unknown example(s): {', '.join(sorted(unknown))}; known: {', '.join(EXAMPLES)}")
     failed = 0
-    for name in names or EXAMPLES:
-        run = run_example(name)
+    launches = [(name, EXAMPLES[name]) for name in names or EXAMPLES]
+    launches += [(name, launch) for name, launch in MORE_LAUNCHES if not names or name in names]
+    for name, launch in launches:
+        run = run_example(name, launch)
         problems = check_run(run)
         print(run.line() if not problems else f"{run.line()}  PROBLEMS: {problems}", flush=True)
         if problems:

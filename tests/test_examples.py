@@ -6,7 +6,16 @@ import re
 
 import pytest
 import tinyimagenet
-from smoke import EXAMPLES, EXAMPLES_DIR, Launch, base_env, check_run, run_example
+from smoke import (
+    EXAMPLES,
+    EXAMPLES_DIR,
+    GENERIC_SMOKE_ARGS,
+    MORE_LAUNCHES,
+    Launch,
+    base_env,
+    check_run,
+    run_example,
+)
 
 
 def test_every_example_folder_has_a_smoke_run():
@@ -22,9 +31,10 @@ def test_smoke_run_trains_on_every_rank(name, smoke_run):
     if world_size > 1:
         for rank in range(world_size):
             assert f"[{rank}/{world_size}] Running on" in run.output, run.output
-    max_steps = int(run.launch.args[run.launch.args.index("--max-steps") + 1])
     for summary in run.summaries:
-        assert summary["steps"] == max_steps
+        if "--max-steps" in run.launch.args:
+            max_steps = run.launch.args[run.launch.args.index("--max-steps") + 1]
+            assert summary["steps"] == int(max_steps)
         # A few steps on synthetic classes that differ in colour must lower the loss.
         assert summary["last_loss"] < summary["first_loss"], summary
 
@@ -68,7 +78,8 @@ def test_smoke_runs_inherit_no_slurm_variables(monkeypatch):
     assert env["OMP_NUM_THREADS"] == "1"
 
 
-SRUN_EXAMPLES = [name for name, launch in EXAMPLES.items() if launch.launcher == "srun"]
+# The Mila examples share one setup() and its messages; the generic ones are tested below.
+SRUN_EXAMPLES = [n for n, launch in EXAMPLES.items() if launch.launcher == "srun" and "mila" in n]
 
 
 def failed_run(name, launch, env=None, args=None):
@@ -153,3 +164,58 @@ def test_tinyimagenet_validation_labels_follow_the_annotations(name, tmp_path):
     assert labels != sorted(labels)
     image, label = valid[0]
     assert tuple(image.shape) == (3, 64, 64)
+
+
+@pytest.mark.parametrize(
+    "launch", [EXAMPLES["generic/any_launcher"], *dict(MORE_LAUNCHES).values()]
+)
+def test_one_main_py_runs_under_each_launcher(launch, smoke_run):
+    run = smoke_run("generic/any_launcher", launch)
+    assert check_run(run) == [], run.output
+    expected = {"srun": "srun", "torchrun": "torchrun", "python": "single process"}
+    # As many processes as the launcher should start, each knowing who started it.
+    assert len(run.summaries) == launch.world_size
+    assert {s["launcher"] for s in run.summaries} == {expected[launch.launcher]}
+
+
+def test_one_main_py_computes_the_same_under_srun_and_torchrun(smoke_run):
+    srun = smoke_run("generic/any_launcher")
+    torchrun = smoke_run(
+        "generic/any_launcher",
+        next(launch for _, launch in MORE_LAUNCHES if launch.launcher == "torchrun"),
+    )
+    by_launcher = [[{k: v for k, v in s.items() if k != "launcher"} for s in run.summaries]
+                   for run in (srun, torchrun)]  # fmt: skip
+    assert srun.launch.world_size == torchrun.launch.world_size == 2
+    assert by_launcher[0] == by_launcher[1]
+
+
+@pytest.mark.parametrize(
+    ("env", "found"),
+    [
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_RANK"),
+        ({"RANK": "0"}, "RANK"),
+        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0"}, "SLURM_NTASKS=4 without srun"),
+    ],
+)
+def test_unknown_launcher_names_the_variables_looked_for(env, found):
+    run = failed_run("generic/any_launcher", Launch("python"), env=env, args=GENERIC_SMOKE_ARGS)
+    assert f"cannot tell this process's rank (found {found}" in run.output
+    for name in ("RANK, LOCAL_RANK, WORLD_SIZE", "SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS"):
+        assert name in run.output
+
+
+def test_generic_srun_example_refuses_a_launch_without_srun():
+    run = failed_run("generic/srun_tasks", Launch("python"), args=GENERIC_SMOKE_ARGS)
+    assert "not started by srun" in run.output and "srun python main.py" in run.output
+
+
+def test_generic_torchrun_example_refuses_a_launch_without_torchrun():
+    run = failed_run("generic/first_ddp", Launch("python"), args=GENERIC_SMOKE_ARGS)
+    assert "start this script with torchrun" in run.output
+
+
+def test_mp_spawn_missing_dataset_names_the_path_and_the_switch(tmp_path):
+    run = failed_run("generic/mp_spawn", Launch("python"), args=("--data-dir", str(tmp_path)))
+    assert f"CIFAR-10 not found: expected {tmp_path}/cifar-10-batches-py" in run.output
+    assert "--synthetic-data" in run.output

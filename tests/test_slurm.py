@@ -5,6 +5,7 @@ submitted with its site's profile (tests/sites/<cluster>/) and its smoke-run arg
 A new job.sh under examples/ is picked up here with no edit.
 """
 
+import csv
 import dataclasses
 import os
 import re
@@ -18,6 +19,7 @@ from smoke import EXAMPLES, EXAMPLES_DIR, Launch, check_run, parse_summaries
 
 pytestmark = pytest.mark.slurm
 
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 JOB_SCRIPTS = sorted(EXAMPLES_DIR.glob("**/job.sh"))
 NAMES = [str(p.parent.relative_to(EXAMPLES_DIR)) for p in JOB_SCRIPTS]
 JOB_TIMEOUT = 300  # seconds; 8 ranks importing torch on 2 cores take about a minute
@@ -145,9 +147,11 @@ def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
 def test_job_results_match_the_direct_smoke_run(jobs, smoke_run, name):
     job = jobs(name)
     assert job.ok, job.output
-    # The same layout as the job, launched directly: same ranks, same numbers.
+    # The same layout as the job, launched directly: same ranks and CPUs (which set the number
+    # of DataLoader workers, and so how random augmentations are drawn), same numbers.
     launch = job_layout(name)
-    direct = smoke_run(name, launch)
+    cpus = sbatch_options(EXAMPLES_DIR / name / "job.sh").get("cpus-per-task", "1")
+    direct = smoke_run(name, launch, env={"SLURM_CPUS_PER_TASK": cpus})
     assert check_run(direct) == [], direct.output
 
     def numbers(summaries):
@@ -175,6 +179,30 @@ def test_nodes_have_their_own_hostname_and_address(lab):
     assert any(line.startswith("0: cn1 10.77.0.11") for line in lines), lines
     assert any(line.startswith("1: cn2 10.77.0.12") for line in lines), lines
     assert sum("reached-cn1" in line for line in lines) == 2, lines
+
+
+def test_variable_table_matches_the_cluster(lab):
+    """The concepts page's table of Slurm variables holds what a real task sees."""
+    table = csv.DictReader((DOCS / "slurm-variables.csv").open())
+    example = "Task 3 of 2 nodes × 2 tasks sees"
+    result = subprocess.run(
+        ["srun", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=2", "--gpus-per-node=2",
+         "--label", "env"],
+        env=lab.env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    task3 = dict(
+        line[len("3: ") :].split("=", 1)
+        for line in result.stdout.splitlines()
+        if line.startswith("3: ") and "=" in line
+    )
+    rows = list(table)
+    assert len(rows) >= 10
+    for row in rows:
+        name = row["Slurm variable"]
+        assert name in task3, f"{name} is not set in an srun task"
+        if row[example] != "(varies)":
+            assert task3[name] == row[example], name
 
 
 def test_starting_again_over_a_running_cluster_works(lab):

@@ -49,7 +49,8 @@ echo "Rendezvous at $head_node:$port"
 
 # One torchrun per node, each starting one process per GPU of its node.
 # Arguments after `sbatch job.sh` reach main.py, e.g. `sbatch job.sh --epochs 1`.
-srun torchrun \
+# --kill-on-bad-exit: if one node's torchrun fails, end the others at once.
+srun --kill-on-bad-exit=1 torchrun \
     --nnodes="$SLURM_JOB_NUM_NODES" \
     --nproc-per-node="$SLURM_GPUS_ON_NODE" \
     --rdzv-backend=c10d \

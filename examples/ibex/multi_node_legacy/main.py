@@ -6,6 +6,7 @@ current one. Do not start new work from this folder.
 """
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -134,7 +135,6 @@ def main():
         "val_samples": val_samples,
     }
     print(f"summary: {json.dumps(summary)}", flush=True)
-    dist.destroy_process_group()
 
 
 def setup():
@@ -226,3 +226,8 @@ def get_num_workers() -> int:
 
 if __name__ == "__main__":
     main()
+    # The DDP model sits in reference cycles that keep the process group alive. Collect them
+    # now, while Python can still run the group's threads down cleanly: left to the interpreter's
+    # exit, gloo's threads abort the process (exit code 134) after a successful run.
+    gc.collect()
+    dist.destroy_process_group()

@@ -1,0 +1,28 @@
+#!/bin/bash
+#SBATCH --job-name=first_ddp
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=2
+#SBATCH --cpus-per-task=4
+#SBATCH --time=00:10:00
+
+# Stop at the first failing command.
+set -e
+
+# --- Site-specific: make torch importable (a module, a conda or a virtual environment) ----
+# shellcheck source=/dev/null
+source "$HOME/venvs/ddp/bin/activate"
+
+# torchrun starts a process per GPU itself, so it must run once per node. With a task per GPU,
+# each of G tasks would start G processes: G x G in all, and the job would fail or crawl.
+if ((SLURM_NTASKS != SLURM_JOB_NUM_NODES)); then
+    echo "error: $SLURM_NTASKS tasks on $SLURM_JOB_NUM_NODES node(s), but torchrun must run" \
+        "once per node: use #SBATCH --ntasks-per-node=1" >&2
+    exit 1
+fi
+# Since Slurm 22.05, srun no longer inherits --cpus-per-task from the job: pass it on.
+export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+
+# One task on one node runs torchrun, which starts a process per GPU of the node.
+# --standalone: a rendezvous on this node only, on a free port; enough for a single node.
+srun torchrun --standalone --nproc-per-node="$SLURM_GPUS_ON_NODE" main.py "$@"

@@ -1,0 +1,129 @@
+"""A first DDP program: the smallest complete one, started by torchrun.
+
+A Trainer class fits a linear model to a synthetic regression task. torchrun starts one process
+per GPU (or per CPU slot without GPUs) and gives each LOCAL_RANK, RANK and WORLD_SIZE; DDP keeps
+the copies of the model identical by averaging their gradients.
+"""
+
+import argparse
+import gc
+import json
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--dataset-size", type=int, default=2048)
+    args = parser.parse_args()
+
+    local_rank, rank, world_size = setup()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    print(f"[{rank}/{world_size}] Running on {socket.gethostname()}, device {device}", flush=True)
+
+    dataset = RegressionDataset(args.dataset_size)
+    # The sampler hands each process its own 1/world_size of the samples.
+    dataloader = DataLoader(
+        dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset)
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Linear(20, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    trainer = Trainer(model, dataloader, optimizer, device)
+    losses = trainer.train(args.epochs)
+
+    summary = {
+        "rank": rank,
+        "world_size": world_size,
+        "host": socket.gethostname(),
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
+    print(f"summary: {json.dumps(summary)}", flush=True)
+
+
+def setup():
+    """Joins the process group that torchrun prepared; returns local rank, rank, world size."""
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit("error: LOCAL_RANK is not set: start this script with torchrun.")
+    # torchrun exported RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: the defaults read them.
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return int(os.environ["LOCAL_RANK"]), dist.get_rank(), dist.get_world_size()
+
+
+class Trainer:
+    """Trains a model with DDP: every process runs this, on its own share of the data."""
+
+    def __init__(self, model, dataloader, optimizer, device):
+        self.device = device
+        self.dataloader = dataloader
+        self.optimizer = optimizer
+        device_ids = [device] if device.type == "cuda" else None
+        # DDP copies rank 0's initial weights to all processes, and averages gradients in
+        # backward(), so that every copy takes the same step.
+        self.model = DistributedDataParallel(model.to(device), device_ids=device_ids)
+
+    def _run_batch(self, x, y):
+        self.optimizer.zero_grad()
+        loss = F.mse_loss(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch: int) -> float:
+        # A new shuffle every epoch: without set_epoch, each epoch repeats the same order.
+        self.dataloader.sampler.set_epoch(epoch)
+        total = torch.zeros(2, device=self.device)
+        for x, y in self.dataloader:
+            loss = self._run_batch(x.to(self.device), y.to(self.device))
+            total += torch.stack([loss * len(x), torch.tensor(len(x), device=self.device)])
+        # The epoch's mean loss over all processes, identical on each of them.
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def train(self, max_epochs: int) -> list[float]:
+        losses = []
+        for epoch in range(max_epochs):
+            losses.append(self._run_epoch(epoch))
+            if dist.get_rank() == 0:
+                print(f"epoch {epoch}: mean loss {losses[-1]:.4f}", flush=True)
+        return losses
+
+
+class RegressionDataset(Dataset):
+    """Random inputs of 20 features; each target is a fixed linear function of them, plus noise."""
+
+    def __init__(self, size: int):
+        generator = torch.Generator().manual_seed(0)  # the same data in every process
+        self.x = torch.rand(size, 20, generator=generator)
+        weights = torch.randn(20, 1, generator=generator)
+        self.y = self.x @ weights + 0.01 * torch.randn(size, 1, generator=generator)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index]
+
+
+if __name__ == "__main__":
+    main()
+    # The DDP model sits in reference cycles that keep the process group alive. Collect them
+    # now, while Python can still run the group's threads down cleanly: left to the interpreter's
+    # exit, gloo's threads abort the process (exit code 134) after a successful run.
+    gc.collect()
+    dist.destroy_process_group()

@@ -1,0 +1,19 @@
+#!/bin/bash
+#SBATCH --job-name=mp_spawn
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=2
+#SBATCH --cpus-per-task=8
+#SBATCH --time=00:20:00
+
+# Stop at the first failing command.
+set -e
+
+# --- Site-specific: make torch importable, and say where CIFAR-10 is unpacked -------------
+# shellcheck source=/dev/null
+source "$HOME/venvs/ddp/bin/activate"
+DATA_DIR=$HOME/datasets/cifar10
+
+# One process, on one node, which spawns one process per GPU itself: no srun or torchrun.
+# mp.spawn cannot reach other nodes, so this job asks for exactly one.
+python main.py --data-dir "$DATA_DIR" "$@"

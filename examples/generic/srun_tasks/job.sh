@@ -1,0 +1,27 @@
+#!/bin/bash
+#SBATCH --job-name=srun_tasks
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=2
+#SBATCH --gpus-per-node=2
+#SBATCH --cpus-per-task=4
+#SBATCH --time=00:10:00
+
+# Stop at the first failing command.
+set -e
+
+# --- Site-specific: make torch importable (a module, a conda or a virtual environment) ----
+# shellcheck source=/dev/null
+source "$HOME/venvs/ddp/bin/activate"
+
+# Where the processes meet: the job's first node, on a port derived from the job ID so that
+# jobs sharing a node do not collide.
+mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+export MASTER_ADDR=${nodes[0]}
+export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
+# Since Slurm 22.05, srun no longer inherits --cpus-per-task from the job: pass it on.
+export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+
+# One task per GPU on every node (--ntasks-per-node = GPUs per node), each a DDP process.
+# --kill-on-bad-exit: if one task fails, end the others at once, instead of leaving them
+# waiting for it in their next collective until a timeout.
+srun --kill-on-bad-exit=1 python main.py "$@"

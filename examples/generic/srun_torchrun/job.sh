@@ -1,0 +1,36 @@
+#!/bin/bash
+#SBATCH --job-name=srun_torchrun
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=2
+#SBATCH --cpus-per-task=8
+#SBATCH --time=00:10:00
+
+# Stop at the first failing command.
+set -e
+
+# --- Site-specific: make torch importable (a module, a conda or a virtual environment) ----
+# shellcheck source=/dev/null
+source "$HOME/venvs/ddp/bin/activate"
+
+# torchrun starts a process per GPU itself, so it must run once per node. With a task per GPU,
+# each of G tasks would start G processes: G x G in all, and the job would fail or crawl.
+if ((SLURM_NTASKS != SLURM_JOB_NUM_NODES)); then
+    echo "error: $SLURM_NTASKS tasks on $SLURM_JOB_NUM_NODES node(s), but torchrun must run" \
+        "once per node: use #SBATCH --ntasks-per-node=1" >&2
+    exit 1
+fi
+# Since Slurm 22.05, srun no longer inherits --cpus-per-task from the job: pass it on.
+export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+
+# The rendezvous: the job's first node, by name, on a port derived from the job ID. torchrun's
+# c10d rendezvous runs inside the torchrun on that node; --rdzv-id keeps other jobs out.
+mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+# --kill-on-bad-exit: if one node's torchrun fails, end the others at once.
+srun --kill-on-bad-exit=1 torchrun \
+    --nnodes="$SLURM_JOB_NUM_NODES" \
+    --nproc-per-node="$SLURM_GPUS_ON_NODE" \
+    --rdzv-backend=c10d \
+    --rdzv-endpoint="${nodes[0]}:$((10000 + SLURM_JOB_ID % 10000))" \
+    --rdzv-id="$SLURM_JOB_ID" \
+    main.py "$@"

@@ -1,0 +1,34 @@
+"""The concepts page's collective snippets give the results the page states."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from smoke import base_env
+
+SNIPPETS = Path(__file__).resolve().parent.parent / "docs" / "snippets"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_collectives_give_the_documented_results(world_size, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={world_size}", str(SNIPPETS / "collectives.py"), str(tmp_path)],
+        env=base_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = sorted(
+        (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")),
+        key=lambda r: r["rank"],
+    )
+    assert [r["rank"] for r in records] == list(range(world_size))
+    total = world_size * (world_size + 1) / 2  # 1 + 2 + ... + world_size
+    for r in records:
+        assert r["world_size"] == world_size
+        assert r["all_reduce"] == total
+        assert r["reduce"] == (total if r["rank"] == 0 else None)
+        assert r["broadcast"] == 100.0
+        assert r["all_gather"] == [10.0 * k for k in range(world_size)]
+        assert r["barrier"] is True
