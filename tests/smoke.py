@@ -53,8 +53,9 @@ SPAWN_SMOKE_ARGS = (
 class Launch:
     """How an example's job.sh starts main.py, and the arguments of its smoke run."""
 
-    # "python": main.py alone; "srun": main.py in each task; "torchrun" or
-    # "torch.distributed.launch": that launcher in each task, starting procs_per_task processes
+    # "python": `python main.py` once, which may spawn procs_per_task processes itself;
+    # "srun": main.py in each task; "torchrun" or "torch.distributed.launch": that launcher in
+    # each task, starting procs_per_task processes
     launcher: str
     nodes: int = 1
     tasks_per_node: int = 1
