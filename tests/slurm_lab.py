@@ -9,7 +9,8 @@ scripts' `--gpus-per-node`, `--gpus` and `--constraint` requests valid as writte
 A site profile (tests/sites/<name>/) supplies what a cluster gives its jobs: the `module` and
 `conda` commands, dataset folders, and `$SLURM_TMPDIR`. The job scripts are submitted unchanged.
 
-Used by the test suite, and by hand as root:
+Used by the test suite, and by hand as root, with a Python that has the examples' dependencies
+(the profiles hand it to the jobs), e.g. .nox/tests/bin/python:
 
     python tests/slurm_lab.py up      # install (apt) if needed, start, print SLURM_CONF
     python tests/slurm_lab.py down    # stop everything and remove what `up` made
