@@ -26,6 +26,6 @@ export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
 # - torchrun: `srun --ntasks-per-node=1 torchrun --nnodes="$SLURM_JOB_NUM_NODES"
 #   --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" main.py`
 # - a single process, for a quick check: `python main.py`
-# --kill-on-bad-exit: if one task fails, end the others at once, instead of leaving them
-# waiting for it in their next collective until a timeout.
+# --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
+# otherwise wait for it in their next collective until a timeout.
 srun --kill-on-bad-exit=1 python main.py "$@"

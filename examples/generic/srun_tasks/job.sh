@@ -22,6 +22,6 @@ export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
 
 # One task per GPU on every node (--ntasks-per-node = GPUs per node), each a DDP process.
-# --kill-on-bad-exit: if one task fails, end the others at once, instead of leaving them
-# waiting for it in their next collective until a timeout.
+# --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
+# otherwise wait for it in their next collective until a timeout.
 srun --kill-on-bad-exit=1 python main.py "$@"

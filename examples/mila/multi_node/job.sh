@@ -43,6 +43,6 @@ export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 
 # srun starts one task per GPU on every node, each with its own SLURM_PROCID.
 # Arguments after `sbatch job.sh` reach main.py: `sbatch job.sh --synthetic-data --max-steps 50`.
-# --kill-on-bad-exit: if one task fails, end the others at once, instead of leaving them
-# waiting for it in their next collective until a timeout.
+# --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
+# otherwise wait for it in their next collective until a timeout.
 srun --kill-on-bad-exit=1 python main.py "$@"
