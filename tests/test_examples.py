@@ -14,6 +14,7 @@ from smoke import (
     Launch,
     base_env,
     check_run,
+    numbers,
     run_example,
 )
 
@@ -51,10 +52,6 @@ def test_validation_counts_every_sample_exactly_once(name, field, world_size, sm
     assert [s["val_samples"] for s in run.summaries] == [launch.val_samples] * world_size
 
 
-def numbers(run):
-    return [{k: v for k, v in s.items() if k != "host"} for s in run.summaries]
-
-
 @pytest.mark.parametrize(
     ("one", "other"),
     [
@@ -67,7 +64,7 @@ def test_same_process_count_gives_the_same_numbers(one, other, smoke_run):
     # One node or two, torchrun or the old launcher: with as many processes, training takes
     # the same steps on the same data, and must end with identical numbers.
     assert smoke_run(one).launch.world_size == smoke_run(other).launch.world_size
-    assert numbers(smoke_run(one)) == numbers(smoke_run(other))
+    assert numbers(smoke_run(one).summaries) == numbers(smoke_run(other).summaries)
 
 
 def test_smoke_runs_inherit_no_slurm_variables(monkeypatch):

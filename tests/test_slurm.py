@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from slurm_lab import NODES, Lab, LabUnavailable, check_can_start
-from smoke import EXAMPLES, EXAMPLES_DIR, Launch, check_run, parse_summaries
+from smoke import EXAMPLES, EXAMPLES_DIR, Launch, check_run, numbers, parse_summaries
 
 pytestmark = pytest.mark.slurm
 
@@ -155,10 +155,6 @@ def test_job_results_match_the_direct_smoke_run(jobs, smoke_run, name):
     cpus = sbatch_options(EXAMPLES_DIR / name / "job.sh").get("cpus-per-task", "1")
     direct = smoke_run(name, launch, env={"SLURM_CPUS_PER_TASK": cpus})
     assert check_run(direct) == [], direct.output
-
-    def numbers(summaries):
-        return [{k: v for k, v in s.items() if k != "host"} for s in summaries]
-
     assert numbers(parse_summaries(job.output)) == numbers(direct.summaries), job.output
 
 
