@@ -179,7 +179,7 @@ GresTypes=gpu
 MinJobAge=30
 SchedulerParameters=batch_sched_delay=0
 EnforcePartLimits=ALL
-KillWait=5
+KillWait=30
 TaskProlog={Path(__file__).parent / "sites" / "task_prolog.sh"}
 {node_lines}
 PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
@@ -193,6 +193,8 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def _make_site_data(self) -> None:
         """What the site profiles need beyond their committed files."""
+        # Mila and generic: $SCRATCH, which their profiles export.
+        (self.state / "scratch").mkdir()
         # Ibex: the user's own miniconda, at /ibex/user/$USER/miniconda3.
         user = self.env()["USER"]
         (self.state / "ibex-user" / user).mkdir(parents=True)
@@ -320,6 +322,7 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         """Polls the job every 0.2 s (sbatch --wait polls far less often) until it ends."""
         start = time.monotonic()
         info: dict[str, str] = {}
+        stacks = None
         while time.monotonic() - start < timeout:
             info = self.job_info(job_id)
             if info.get("JobState") in {
@@ -333,14 +336,19 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 break
             time.sleep(0.2)
         else:
+            # Where each process is stuck, for the report, before the job is cancelled.
+            stacks = job_stacks(job_id)
             subprocess.run(["scancel", job_id], env=self.env(), capture_output=True)
         out = workdir / f"slurm-{job_id}.out"
+        output = out.read_text(errors="replace") if out.exists() else ""
+        if stacks is not None:
+            output += f"\n--- still running after {timeout:.0f} s; stacks:\n{stacks}"
         return Job(
             job_id=job_id,
             state=info.get("JobState", "UNKNOWN") if info else "UNKNOWN",
             exit_code=info.get("ExitCode", "?"),
             node_list=info.get("NodeList", ""),
-            output=out.read_text(errors="replace") if out.exists() else "",
+            output=output,
             elapsed=time.monotonic() - start,
         )
 
@@ -352,6 +360,28 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             text=True,
         )
         return dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+
+
+def job_stacks(job_id: str) -> str:
+    """The Python and native stacks of the job's Python processes, by py-spy, if installed."""
+    py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if py_spy is None:
+        return "(py-spy is not installed)"
+    wanted = f"SLURM_JOB_ID={job_id}".encode()
+    dumps = []
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if wanted in environ and "python" in cmdline:
+            dump = subprocess.run(
+                [py_spy, "dump", "--native", "--pid", proc.name],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            dumps.append(f"--- {proc.name}: {cmdline}\n{dump.stdout}{dump.stderr}")
+    return "\n".join(dumps)
 
 
 def check_can_start() -> None:

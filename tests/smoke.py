@@ -78,6 +78,9 @@ EXAMPLES: dict[str, Launch] = {
     "mila/multi_node": Launch(
         "srun", nodes=2, tasks_per_node=1, args=MILA_SMOKE_ARGS, val_samples=MILA_VAL_SAMPLES
     ),
+    "mila/checkpointing": Launch(
+        "srun", nodes=2, tasks_per_node=1, args=MILA_SMOKE_ARGS, val_samples=MILA_VAL_SAMPLES
+    ),
     "ibex/single_node": Launch(
         "torchrun", procs_per_task=2, args=IBEX_SMOKE_ARGS,
         val_samples=IBEX_VAL_SAMPLES, dataset="tinyimagenet",
@@ -92,6 +95,7 @@ EXAMPLES: dict[str, Launch] = {
     ),
     "generic/first_ddp": Launch("torchrun", procs_per_task=2, args=GENERIC_SMOKE_ARGS),
     "generic/srun_tasks": Launch("srun", nodes=2, args=GENERIC_SMOKE_ARGS),
+    "generic/checkpointing": Launch("srun", nodes=2, args=GENERIC_SMOKE_ARGS),
     "generic/srun_torchrun": Launch("torchrun", nodes=2, args=GENERIC_SMOKE_ARGS),
     "generic/mp_spawn": Launch("python", procs_per_task=2, args=SPAWN_SMOKE_ARGS),
     "generic/any_launcher": Launch("srun", tasks_per_node=2, args=GENERIC_SMOKE_ARGS),
@@ -176,6 +180,8 @@ def srun_env(rank: int, launch: Launch, tmpdir: Path, port: int) -> dict[str, st
         "SLURM_TMPDIR": str(tmpdir / nodes[node]),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
+        # The checkpointing examples' job.sh points this at shared storage.
+        "CHECKPOINT_DIR": str(tmpdir / "checkpoints"),
     }
 
 

@@ -5,10 +5,12 @@
 # - /network/datasets, bind-mounted on every node from tests/sites/mila/datasets: an empty
 #   placeholder for the CIFAR-10 archive, enough for job.sh's copy, as smoke runs use
 #   --synthetic-data (the real archive has a checksum that no stand-in passes);
-# - $SLURM_TMPDIR, per job and node, from the cluster's TaskProlog.
+# - $SLURM_TMPDIR, per job and node, from the cluster's TaskProlog;
+# - $SCRATCH, shared by the nodes and kept between jobs, for checkpoints.
 export LAB_MODULES="anaconda/3"
 export LAB_CONDA_ENVS="pytorch"
 export LAB_TMPDIR=1
+export SCRATCH=/tmp/ddp-slurm-lab/scratch
 # shellcheck source=tests/sites/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 conda() {

@@ -1,0 +1,326 @@
+"""srun_tasks, made to survive preemption and time limits: checkpoints, resumption, requeue.
+
+Over srun_tasks:
+- rank 0 writes a checkpoint atomically at the end of every epoch and whenever the job is told
+  to stop. It holds all that is needed to continue exactly: model, optimizer, epoch, step, and
+  each rank's random state and partial epoch sums;
+- a job that starts again, requeued or resubmitted, resumes from the latest checkpoint;
+- on SIGUSR1, which job.sh asks Slurm to send before the time limit, or SIGTERM (preemption,
+  `scancel`, `scontrol requeue`), all ranks stop at the same step and rank 0 saves. After
+  SIGUSR1, rank 0 also puts the job back in the queue;
+- setup() fails fast, with the cause, when the rendezvous port is taken or the first node
+  never answers.
+"""
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+# The signal that asked this process to stop, or 0. Signal handlers only note it: the training
+# loop acts on it between steps, where every rank can stop at the same point.
+stop_signal = 0
+
+
+def note_stop_signal(signum, frame):
+    global stop_signal
+    # SIGTERM wins over SIGUSR1: the job is ending anyway, and a requeue would fail.
+    stop_signal = max(stop_signal, signum)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--dataset-size", type=int, default=2048)
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=Path(os.environ.get("CHECKPOINT_DIR", "checkpoints")),
+        help="shared storage that outlives the job (default: $CHECKPOINT_DIR, set by job.sh)",
+    )
+    parser.add_argument(
+        "--rendezvous-timeout",
+        type=float,
+        default=120,
+        help="seconds to wait for every process to join before giving up",
+    )
+    args = parser.parse_args()
+
+    local_rank, rank, world_size = setup(args.rendezvous_timeout)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    print(f"[{rank}/{world_size}] Running on {socket.gethostname()}, device {device}", flush=True)
+
+    dataset = RegressionDataset(args.dataset_size)
+    sampler = ResumableSampler(dataset)
+    # A DataLoader draws a seed for its workers at the start of every epoch. From a generator
+    # of its own, not torch's global one, it leaves the global random state to training, so
+    # that the copy of it in a checkpoint continues exactly.
+    dataloader = DataLoader(
+        dataset, batch_size=args.batch_size, sampler=sampler, generator=torch.Generator()
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Linear(20, 1)
+    # Momentum gives the optimizer a state of its own, which the checkpoint must hold too.
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    trainer = Trainer(model, dataloader, optimizer, device, args.checkpoint_dir / "checkpoint.pt")
+    trainer.resume()
+    # From here on there is progress to lose: on either signal, stop after the current step and
+    # save. Until now, Python's default, to end at once, lost nothing, and it also ends a process
+    # stuck in the rendezvous, which a handler could not interrupt.
+    signal.signal(signal.SIGUSR1, note_stop_signal)
+    signal.signal(signal.SIGTERM, note_stop_signal)
+    finished = trainer.train(args.epochs)
+    if not finished:
+        print(f"[{rank}/{world_size}] Stopped at step {trainer.step}, checkpoint saved", flush=True)
+        return
+
+    summary = {
+        "rank": rank,
+        "world_size": world_size,
+        "host": socket.gethostname(),
+        "steps": trainer.step,
+        "first_loss": trainer.losses[0],
+        "last_loss": trainer.losses[-1],
+        "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+    }
+    print(f"summary: {json.dumps(summary)}", flush=True)
+
+
+def setup(rendezvous_timeout: float):
+    """Joins the process group as the task srun started; returns local rank, rank, world size."""
+    if "SLURM_STEP_NUM_TASKS" not in os.environ:
+        # Without srun (in the batch script, say), only one process would start, and it would
+        # wait for the others forever.
+        raise SystemExit(
+            "error: not started by srun: SLURM_STEP_NUM_TASKS is not set. Start one process "
+            "per task with `srun python main.py` (job.sh does)."
+        )
+    rank = int(os.environ["SLURM_PROCID"])
+    local_rank = int(os.environ["SLURM_LOCALID"])
+    world_size = int(os.environ["SLURM_NTASKS"])
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    # The store where the processes meet, made here rather than by init_process_group so that
+    # joining has its own short timeout: the group's timeout also bounds every collective, and
+    # its default is 30 minutes of silence.
+    try:
+        store = dist.TCPStore(
+            address,
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=rendezvous_timeout),
+        )
+    except dist.DistError as error:
+        if "EADDRINUSE" in str(error):
+            raise SystemExit(
+                f"error: rank 0 cannot listen on port {port} of {socket.gethostname()}: another "
+                "process holds it. job.sh derives MASTER_PORT from the job ID; a port fixed by "
+                "hand collides with other jobs on the node. Pick another, from 10000-19999."
+            ) from None
+        raise SystemExit(
+            f"error: rank {rank} on {socket.gethostname()} waited {rendezvous_timeout:.0f} s for "
+            f"the rendezvous at {address}:{port}, and not all {world_size} processes joined. "
+            "Rank 0 must run on MASTER_ADDR (the job's first node): check that the node is up, "
+            "that its task started, and that MASTER_ADDR names it.\n"
+            f"({type(error).__name__}: {str(error).splitlines()[0]})"
+        ) from None
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    return local_rank, rank, world_size
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way, after the samples already used.
+
+    For a given epoch it yields the same order as ever, so a resumed epoch sees exactly the
+    batches that the interrupted one had left.
+    """
+
+    skip = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self):
+        return self.num_samples - self.skip
+
+
+class Trainer:
+    """Trains a model with DDP, and saves and restores everything needed to continue exactly."""
+
+    def __init__(self, model, dataloader, optimizer, device, checkpoint_path: Path):
+        self.device = device
+        self.dataloader = dataloader
+        self.optimizer = optimizer
+        self.checkpoint_path = checkpoint_path
+        self.model = model.to(device)
+        self.epoch = 0
+        self.step = 0  # steps taken in all
+        self.epoch_step = 0  # steps taken in this epoch
+        self.losses = []  # the mean loss of each finished epoch
+        # This process's sums for the epoch so far: summed loss and sample count.
+        self.epoch_sums = torch.zeros(2, device=device)
+        self.ddp_model = None
+
+    def resume(self):
+        """Loads the latest checkpoint, if there is one, then wraps the model in DDP."""
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        if self.checkpoint_path.exists():
+            # weights_only: load tensors and plain containers only. A full unpickler would run
+            # whatever code the file names.
+            checkpoint = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
+            if len(checkpoint["ranks"]) != world_size:
+                raise SystemExit(
+                    f"error: {self.checkpoint_path} was written by {len(checkpoint['ranks'])} "
+                    f"processes, and this job has {world_size}. Resume with the same number of "
+                    "tasks, or give a new --checkpoint-dir to start over."
+                )
+            self.model.load_state_dict(checkpoint["model"])
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.epoch, self.step = checkpoint["epoch"], checkpoint["step"]
+            self.epoch_step, self.losses = checkpoint["epoch_step"], checkpoint["losses"]
+            mine = checkpoint["ranks"][rank]
+            self.epoch_sums = mine["epoch_sums"].to(self.device)
+            torch.set_rng_state(mine["cpu_rng"])
+            if torch.cuda.is_available():
+                torch.cuda.set_rng_state(mine["cuda_rng"])
+            if rank == 0:
+                print(f"Resumed from {self.checkpoint_path} at step {self.step}", flush=True)
+        # DDP copies rank 0's weights to all processes, and averages gradients in backward(),
+        # so that every copy takes the same step.
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        self.ddp_model = DistributedDataParallel(self.model, device_ids=device_ids)
+
+    def save(self):
+        """Writes a checkpoint from rank 0, with every rank's own state in it. All ranks call it."""
+        # The random state and the partial sums differ between processes: gather them all.
+        mine = {"epoch_sums": self.epoch_sums.cpu(), "cpu_rng": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            mine["cuda_rng"] = torch.cuda.get_rng_state()
+        ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, ranks, dst=0)
+        if dist.get_rank() == 0:
+            checkpoint = {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "epoch": self.epoch,
+                "step": self.step,
+                "epoch_step": self.epoch_step,
+                "losses": self.losses,
+                "ranks": ranks,
+            }
+            save_atomically(checkpoint, self.checkpoint_path)
+        # No rank goes on, or exits, before the file is complete.
+        dist.barrier()
+
+    def agree_to_stop(self) -> int:
+        """The stop signal that any rank received, or 0. All ranks get the same answer."""
+        flag = torch.tensor([stop_signal], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag)
+
+    def _run_batch(self, x, y):
+        self.optimizer.zero_grad()
+        loss = F.mse_loss(self.ddp_model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def train(self, max_epochs: int) -> bool:
+        """Trains until max_epochs; returns False if told to stop before."""
+        sampler = self.dataloader.sampler
+        while self.epoch < max_epochs:
+            sampler.set_epoch(self.epoch)
+            # Like set_epoch: the same worker seeds for an epoch, however often the job restarted.
+            self.dataloader.generator.manual_seed(self.epoch)
+            # A resumed epoch skips the batches its interrupted run already trained on.
+            sampler.skip = self.epoch_step * self.dataloader.batch_size
+            for x, y in self.dataloader:
+                loss = self._run_batch(x.to(self.device), y.to(self.device))
+                self.epoch_sums += torch.stack(
+                    [loss * len(x), torch.tensor(len(x), device=self.device)]
+                )
+                self.step += 1
+                self.epoch_step += 1
+                signum = self.agree_to_stop()
+                if signum:
+                    self.save()
+                    if signum == signal.SIGUSR1 and dist.get_rank() == 0:
+                        requeue()
+                    return False
+            # The epoch's mean loss over all processes, identical on each of them.
+            totals = self.epoch_sums.clone()
+            dist.all_reduce(totals)
+            self.losses.append((totals[0] / totals[1]).item())
+            if dist.get_rank() == 0:
+                print(f"epoch {self.epoch}: mean loss {self.losses[-1]:.4f}", flush=True)
+            self.epoch += 1
+            self.epoch_step = 0
+            self.epoch_sums.zero_()
+            self.save()
+        return True
+
+
+def save_atomically(state: dict, path: Path):
+    """Writes `state` to `path` so that a reader finds the old file or the new, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        # On disk before the rename, so that a crash of the node cannot leave an empty file.
+        f.flush()
+        os.fsync(f.fileno())
+    # A rename within one folder replaces the old file in one step.
+    os.replace(tmp, path)
+
+
+def requeue():
+    """Puts this job back in the queue: Slurm ends it now and starts it again later."""
+    job_id = os.environ["SLURM_JOB_ID"]
+    print(f"Requeueing job {job_id}", flush=True)
+    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+
+
+class RegressionDataset(Dataset):
+    """Random inputs of 20 features; each target is a fixed linear function of them, plus noise."""
+
+    def __init__(self, size: int):
+        generator = torch.Generator().manual_seed(0)  # the same data in every process
+        self.x = torch.rand(size, 20, generator=generator)
+        weights = torch.randn(20, 1, generator=generator)
+        self.y = self.x @ weights + 0.01 * torch.randn(size, 1, generator=generator)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index]
+
+
+if __name__ == "__main__":
+    main()
+    # The DDP model sits in reference cycles that keep the process group alive. Collect them
+    # now, while Python can still run the group's threads down cleanly: left to the interpreter's
+    # exit, gloo's threads abort the process (exit code 134) after a successful run.
+    gc.collect()
+    dist.destroy_process_group()

@@ -1,0 +1,60 @@
+#!/bin/bash
+#SBATCH --job-name=checkpointing
+#SBATCH --nodes=2
+#SBATCH --gpus-per-node=rtx8000:4
+#SBATCH --cpus-per-task=4
+#SBATCH --ntasks-per-node=4
+#SBATCH --mem=64G
+#SBATCH --time=00:15:00
+# Allow the job to go back in the queue, whether Slurm preempts it or it asks itself.
+#SBATCH --requeue
+# SIGUSR1 to every task 120 s before the time limit: time to save a checkpoint and requeue.
+# Without `B:`, Slurm signals the tasks that srun started, which is where Python runs.
+#SBATCH --signal=USR1@120
+# Append, so that the log of every run of a requeued job stays in one file.
+#SBATCH --open-mode=append
+
+# Stop at the first failing command rather than train on a half-prepared job.
+set -e
+
+echo "Date:     $(date)"
+echo "Hostname: $(hostname)"
+echo "Start:    number $((${SLURM_RESTART_COUNT:-0} + 1)) of job $SLURM_JOB_ID"
+
+# --- Mila: software environment ---------------------------------------------------------
+# Create the environment once, on a login node:
+#   module load anaconda/3
+#   conda create -y -n pytorch python=3.11
+#   conda activate pytorch
+#   pip install torch==2.14.1 torchvision==0.29.1 rich tqdm
+module --quiet purge
+module load anaconda/3
+conda activate pytorch
+
+# --- Mila: checkpoints go to $SCRATCH, which outlives the job and which every node sees ---
+# A requeued job keeps its ID, so it finds its own checkpoints here.
+export CHECKPOINT_DIR=$SCRATCH/checkpoints/$SLURM_JOB_ID
+
+# Since Slurm 22.05, srun no longer inherits --cpus-per-task from the job: pass it on, or each
+# task gets one CPU for its DataLoader workers.
+export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+
+# --- Mila: stage the dataset on every node's local disk --------------------------------
+# Each node has its own $SLURM_TMPDIR, so one task per node does the copy. The single quotes
+# make $SLURM_TMPDIR expand on that node, not here.
+# shellcheck disable=SC2016
+srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" bash -c \
+    'mkdir -p "$SLURM_TMPDIR/data" && cp /network/datasets/cifar10/cifar-10-python.tar.gz "$SLURM_TMPDIR/data/"'
+
+# Where the tasks meet to form the process group: the first node of the job, which every node
+# can reach by name, on a port derived from the job ID, so that two jobs sharing a node do not
+# pick the same one. 10000-19999 is below the range the kernel uses for outgoing connections.
+mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+export MASTER_ADDR=${nodes[0]}
+export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
+
+# srun starts one task per GPU on every node, each with its own SLURM_PROCID.
+# Arguments after `sbatch job.sh` reach main.py: `sbatch job.sh --synthetic-data --max-steps 50`.
+# --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
+# otherwise wait for it in their next collective until a timeout.
+srun --kill-on-bad-exit=1 python main.py "$@"

@@ -1,0 +1,454 @@
+"""Multi-node training that survives preemption and time limits: checkpoints and requeue.
+
+Over multi_node:
+- rank 0 writes a checkpoint atomically at the end of every epoch and whenever the job is told
+  to stop. It holds all that is needed to continue exactly: model, optimizer, epoch, step, the
+  loss history, and each rank's random state;
+- a job that starts again, requeued or resubmitted, resumes from the latest checkpoint, part-way
+  through an epoch if need be;
+- on SIGUSR1, which job.sh asks Slurm to send before the time limit, or SIGTERM (preemption,
+  `scancel`, `scontrol requeue`), all ranks stop at the same step and rank 0 saves. After
+  SIGUSR1, rank 0 also puts the job back in the queue.
+
+Try the job before staging any data with `sbatch job.sh --synthetic-data --max-steps 50`.
+"""
+
+import argparse
+import gc
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import rich.logging
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, Subset, random_split
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import transforms
+from torchvision.datasets import CIFAR10
+from torchvision.models import resnet18
+from tqdm import tqdm
+
+# The signal that asked this process to stop, or 0. Signal handlers only note it: the training
+# loop acts on it between steps, where every rank can stop at the same point.
+stop_signal = 0
+
+
+def note_stop_signal(signum, frame):
+    global stop_signal
+    # SIGTERM wins over SIGUSR1: the job is ending anyway, and a requeue would fail.
+    stop_signal = max(stop_signal, signum)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--learning-rate", type=float, default=5e-4)
+    parser.add_argument("--weight-decay", type=float, default=1e-4)
+    # The batch size per process: each step trains on batch_size * world_size samples in all.
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many training steps"
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(os.environ.get("SLURM_TMPDIR", ".")) / "data",
+        help="where job.sh staged cifar-10-python.tar.gz (default: $SLURM_TMPDIR/data)",
+    )
+    parser.add_argument(
+        "--synthetic-data",
+        action="store_true",
+        help="train on random images of CIFAR-10's shape instead of the dataset",
+    )
+    parser.add_argument(
+        "--synthetic-size",
+        type=int,
+        default=50_000,
+        help="number of synthetic images (CIFAR-10's training set has 50,000)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=Path(os.environ.get("CHECKPOINT_DIR", "checkpoints")),
+        help="shared storage that outlives the job (default: $CHECKPOINT_DIR, set by job.sh)",
+    )
+    args = parser.parse_args()
+
+    rank, local_rank, world_size = setup()
+    is_master = rank == 0
+    # Whether a task sees only its own GPU or all of the node's, local_rank picks a distinct one.
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"[{rank}/{world_size}] %(message)s",
+        handlers=[rich.logging.RichHandler(markup=True)],
+    )
+    logger = logging.getLogger(__name__)
+    logger.info(f"Running on {socket.gethostname()}, device {device}")
+
+    # DDP copies rank 0's initial weights to every process, so the seed matters on rank 0 only.
+    torch.manual_seed(args.seed)
+    model = resnet18(num_classes=10).to(device)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    # Where this run starts: the latest checkpoint's position, or the beginning.
+    checkpoint_path = args.checkpoint_dir / "checkpoint.pt"
+    progress = {"epoch": 0, "step": 0, "epoch_step": 0, "first_loss": None, "last_loss": None}
+    if checkpoint_path.exists():
+        progress = load_checkpoint(checkpoint_path, model, optimizer, rank, world_size)
+        logger.info(f"Resumed from {checkpoint_path} at step {progress['step']}")
+    # DDP averages the gradients across processes during backward(), so every copy of the model
+    # takes the same optimizer step. Keep `model.module`, the plain model, for evaluation.
+    model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+
+    train_dataset, valid_dataset = make_datasets(
+        args.data_dir, args.synthetic_data, args.synthetic_size, prepare=local_rank == 0
+    )
+    # Each process trains on its own 1/world_size of the data; the sampler shuffles, not the loader.
+    # It pads with repeated samples so that every process runs the same number of steps.
+    train_sampler = ResumableSampler(train_dataset, shuffle=True, seed=args.seed)
+    # Validation must not count padded samples twice: each process takes every world_size-th
+    # sample, with no padding. The shards may differ in size by one, which validation allows.
+    valid_shard = Subset(valid_dataset, range(rank, len(valid_dataset), world_size))
+    num_workers = get_num_workers()
+    # A DataLoader draws a seed for its workers at the start of every epoch. From a generator
+    # of its own, not torch's global one, it leaves the global random state to training, so
+    # that the copy of it in a checkpoint continues exactly.
+    loader_generator = torch.Generator()
+    train_dataloader = DataLoader(
+        train_dataset,
+        batch_size=args.batch_size,
+        num_workers=num_workers,
+        sampler=train_sampler,
+        generator=loader_generator,
+    )
+    valid_dataloader = DataLoader(
+        valid_shard, batch_size=args.batch_size, num_workers=num_workers, shuffle=False
+    )
+    if is_master:
+        logger.info(f"Effective batch size: {args.batch_size * world_size}")
+
+    # From here on there is progress to lose: on either signal, stop after the current step and
+    # save. Until now, Python's default, to end at once, lost nothing, and it also ends a process
+    # stuck in the rendezvous, which a handler could not interrupt.
+    signal.signal(signal.SIGUSR1, note_stop_signal)
+    signal.signal(signal.SIGTERM, note_stop_signal)
+    step, first_loss, last_loss = progress["step"], progress["first_loss"], progress["last_loss"]
+    epoch_step = progress["epoch_step"]
+    val_loss = val_accuracy = val_samples = None
+    for epoch in range(progress["epoch"], args.epochs):
+        if step == args.max_steps:
+            break
+        # Without set_epoch, the sampler would shuffle the data the same way in every epoch.
+        train_sampler.set_epoch(epoch)
+        # Like set_epoch: the same worker seeds for an epoch, however often the job restarted.
+        loader_generator.manual_seed(args.seed + epoch)
+        # A resumed epoch skips the batches its interrupted run already trained on.
+        train_sampler.skip = epoch_step * args.batch_size
+        # train() matters for BatchNorm, which ResNet-18 uses: batch statistics while training.
+        model.train()
+        progress_bar = tqdm(
+            total=len(train_dataloader), desc=f"Train epoch {epoch}", disable=not is_master
+        )
+        for x, y in train_dataloader:
+            x, y = x.to(device), y.to(device)
+            logits: Tensor = model(x)
+            loss = F.cross_entropy(logits, y)
+
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+            loss, accuracy = reduce_train_metrics(loss, logits, y)
+            last_loss = loss.item()
+            first_loss = last_loss if first_loss is None else first_loss
+            progress_bar.update(1)
+            progress_bar.set_postfix(loss=last_loss, accuracy=accuracy.item())
+            step += 1
+            epoch_step += 1
+            signum = agree_to_stop(device)
+            # At max_steps the run is over anyway: finish it rather than save and stop.
+            if signum and step != args.max_steps:
+                progress_bar.close()
+                progress = {"epoch": epoch, "step": step, "epoch_step": epoch_step}
+                progress.update(first_loss=first_loss, last_loss=last_loss)
+                save_checkpoint(checkpoint_path, model.module, optimizer, progress)
+                logger.info(f"Stopped at step {step}, checkpoint saved")
+                if signum == signal.SIGUSR1 and is_master:
+                    requeue()
+                return
+            if step == args.max_steps:
+                break
+        progress_bar.close()
+
+        val_loss, val_accuracy, val_samples = validation_loop(
+            model.module, valid_dataloader, device
+        )
+        # Every process holds the same numbers now; one line in the log is enough.
+        if is_master:
+            logger.info(
+                f"Epoch {epoch}: val loss {val_loss:.3f}, val accuracy {val_accuracy:.2%} "
+                f"on {val_samples} samples"
+            )
+        # The next run starts with the next epoch.
+        epoch_step = 0
+        progress = {"epoch": epoch + 1, "step": step, "epoch_step": 0}
+        progress.update(first_loss=first_loss, last_loss=last_loss)
+        save_checkpoint(checkpoint_path, model.module, optimizer, progress)
+
+    # One plain line per process to grep from the job's output: the numbers should agree.
+    summary = {
+        "rank": rank,
+        "world_size": world_size,
+        "host": socket.gethostname(),
+        "steps": step,
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+        "val_loss": val_loss,
+        "val_accuracy": val_accuracy,
+        "val_samples": val_samples,
+        "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+    }
+    print(f"summary: {json.dumps(summary)}", flush=True)
+
+
+def setup():
+    """Joins the process group, with this task's rank from the variables that srun sets."""
+    launch_help = (
+        "Start one process per task with srun: `sbatch job.sh`, or `srun python main.py` "
+        "inside an allocation."
+    )
+    if "SLURM_PROCID" not in os.environ:
+        raise SystemExit(
+            f"error: SLURM_PROCID is not set: this is not a Slurm task.\n{launch_help}"
+        )
+    if "SLURM_STEP_NUM_TASKS" not in os.environ:
+        # The batch script itself has SLURM_PROCID=0: without srun, this process would wait
+        # forever for the other tasks of the job.
+        raise SystemExit(
+            "error: main.py was started by the batch script, not by srun. The job has "
+            f"{os.environ.get('SLURM_NTASKS', '1')} task(s); without srun only this process "
+            f"runs, and it would wait forever for the others.\n{launch_help}"
+        )
+    rank = int(os.environ["SLURM_PROCID"])
+    world_size = int(os.environ["SLURM_NTASKS"])
+    local_rank = int(os.environ["SLURM_LOCALID"])
+    if not 0 <= rank < world_size:
+        raise SystemExit(
+            f"error: SLURM_PROCID={rank} does not fit SLURM_NTASKS={world_size}: these variables "
+            f"were set or changed by hand.\n{launch_help}"
+        )
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise SystemExit(
+                f"error: {name} is not set. job.sh exports MASTER_ADDR and MASTER_PORT before "
+                "srun; export them too when you launch by hand."
+            )
+    # NCCL for GPUs; gloo runs the same program on CPUs.
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # env:// reads MASTER_ADDR and MASTER_PORT, which job.sh exported for every task.
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+    return rank, local_rank, world_size
+
+
+def agree_to_stop(device: torch.device) -> int:
+    """The stop signal that any rank received, or 0. All ranks get the same answer."""
+    flag = torch.tensor([stop_signal], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag)
+
+
+def save_checkpoint(path: Path, model: nn.Module, optimizer, progress: dict):
+    """Writes a checkpoint from rank 0, with every rank's random state in it. All ranks call it."""
+    # Each process has its own random state: gather them all.
+    mine = {"cpu_rng": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        mine["cuda_rng"] = torch.cuda.get_rng_state()
+    ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, ranks, dst=0)
+    if dist.get_rank() == 0:
+        checkpoint = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "progress": progress,
+            "ranks": ranks,
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            # On disk before the rename, so that a crash of the node cannot leave an empty file.
+            f.flush()
+            os.fsync(f.fileno())
+        # A rename within one folder replaces the old file in one step: a reader finds the old
+        # checkpoint or the new one, never a mix.
+        os.replace(tmp, path)
+    # No rank goes on, or exits, before the file is complete.
+    dist.barrier()
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer, rank: int, world_size: int):
+    """Restores the model, the optimizer and this rank's random state; returns the progress."""
+    # weights_only: load tensors and plain containers only. A full unpickler would run whatever
+    # code the file names.
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if len(checkpoint["ranks"]) != world_size:
+        raise SystemExit(
+            f"error: {path} was written by {len(checkpoint['ranks'])} processes, and this job "
+            f"has {world_size}. Resume with the same number of tasks, or give a new "
+            "--checkpoint-dir to start over."
+        )
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    mine = checkpoint["ranks"][rank]
+    torch.set_rng_state(mine["cpu_rng"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(mine["cuda_rng"])
+    return checkpoint["progress"]
+
+
+def requeue():
+    """Puts this job back in the queue: Slurm ends it now and starts it again later."""
+    job_id = os.environ["SLURM_JOB_ID"]
+    logging.getLogger(__name__).info(f"Requeueing job {job_id}")
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+
+
+def reduce_train_metrics(loss: Tensor, logits: Tensor, y: Tensor):
+    """The loss and accuracy of this step's whole batch, across all processes, for logging."""
+    n = y.shape[0]
+    correct = logits.detach().argmax(-1).eq(y).sum()
+    # One all_reduce of three sums instead of three collectives. Every process gets the result.
+    sums = torch.stack(
+        [loss.detach() * n, correct.float(), torch.tensor(float(n), device=y.device)]
+    )
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    return sums[0] / sums[2], sums[1] / sums[2]
+
+
+@torch.no_grad()
+def validation_loop(model: nn.Module, dataloader: DataLoader, device: torch.device):
+    """Returns the mean loss and the accuracy over every validation sample, and their count."""
+    # BatchNorm's running statistics are the one state that DDP leaves different: each process
+    # updated them with its own last batch. Take rank 0's, so that every shard sees one model.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    model.eval()
+    # Sums, not means, so that a smaller last batch weighs exactly its size: the summed loss,
+    # the correct predictions and the sample count, in float64 to keep the counts exact.
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for x, y in dataloader:
+        x, y = x.to(device), y.to(device)
+        logits: Tensor = model(x)
+        sums[0] += F.cross_entropy(logits, y, reduction="sum")
+        sums[1] += logits.argmax(-1).eq(y).sum()
+        sums[2] += y.shape[0]
+    # Each process saw its own shard: add the sums up, and every process gets the totals.
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    total_loss, correct, n_samples = sums.tolist()
+    return total_loss / n_samples, correct / n_samples, int(n_samples)
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way, after the samples already used.
+
+    For a given epoch it yields the same order as ever, so a resumed epoch sees exactly the
+    batches that the interrupted one had left.
+    """
+
+    skip = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self):
+        return self.num_samples - self.skip
+
+
+class SyntheticCIFAR10(Dataset):
+    """Random 3x32x32 images in 10 classes: CIFAR-10's shape after ToTensor, with no file to stage.
+
+    Each class has its own colour tint, so the model can learn something and the loss falls as
+    in a real run. Image `i` comes from its own seed: the same in every epoch and every process.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self.tints = torch.rand(10, 3, 1, 1, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index: int):
+        label = index % 10
+        noise = torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(index))
+        return 0.5 * noise + 0.5 * self.tints[label], label
+
+
+def make_datasets(
+    data_dir: Path, synthetic: bool, synthetic_size: int, prepare: bool, val_fraction=0.1
+):
+    """Returns the training and validation splits, held out from CIFAR-10's training set.
+
+    Only the process with `prepare` set on each node unpacks the dataset into that node's
+    $SLURM_TMPDIR; the others wait at a barrier.
+    """
+    if synthetic:
+        dataset = SyntheticCIFAR10(synthetic_size)
+    else:
+        # Every process checks, so that all of them stop with the message: none waits forever
+        # at the barrier for a process that has already failed.
+        check_dataset(data_dir)
+        if prepare:
+            # The archive is already staged: torchvision checks its checksum and unpacks it.
+            CIFAR10(root=data_dir, train=True, download=True)
+        dist.barrier()
+        dataset = CIFAR10(root=data_dir, train=True, transform=transforms.ToTensor())
+    n_valid = int(val_fraction * len(dataset))
+    # A fixed seed keeps the same split in every run, so validation numbers stay comparable.
+    return random_split(
+        dataset, [len(dataset) - n_valid, n_valid], generator=torch.Generator().manual_seed(42)
+    )
+
+
+def check_dataset(data_dir: Path):
+    """Stops with a clear message when the dataset was not staged, instead of trying a download."""
+    archive = data_dir / "cifar-10-python.tar.gz"
+    if not archive.is_file() and not (data_dir / "cifar-10-batches-py").is_dir():
+        raise SystemExit(
+            f"error: CIFAR-10 not found: expected {archive}.\n"
+            "job.sh copies it there from /network/datasets/cifar10; check that step, or pass "
+            "--data-dir.\nTo try the job without the dataset, add --synthetic-data."
+        )
+
+
+def get_num_workers() -> int:
+    """One DataLoader worker per CPU that Slurm gave this task."""
+    if "SLURM_CPUS_PER_TASK" in os.environ:
+        return int(os.environ["SLURM_CPUS_PER_TASK"])
+    return len(os.sched_getaffinity(0))
+
+
+if __name__ == "__main__":
+    main()
+    # The DDP model sits in reference cycles that keep the process group alive. Collect them
+    # now, while Python can still run the group's threads down cleanly: left to the interpreter's
+    # exit, gloo's threads abort the process (exit code 134) after a successful run.
+    gc.collect()
+    dist.destroy_process_group()
