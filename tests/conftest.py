@@ -1,8 +1,11 @@
 """Shared fixtures, and the rule that in CI a skipped test fails the run."""
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
+from slurm_lab import Lab, LabUnavailable
 from smoke import Launch, run_example
 
 
@@ -18,6 +21,34 @@ def smoke_run():
         return runs[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def lab():
+    lab = Lab()
+    network_existed = Path("/network").exists()  # Mila's dataset mount point
+    try:
+        lab.up()
+    except LabUnavailable as error:
+        # Only a developer without root may skip; as root, or in CI, it is a failure.
+        if os.geteuid() != 0 and not os.environ.get("CI"):
+            pytest.skip(f"Slurm test cluster unavailable: {error}")
+        pytest.fail(f"Slurm test cluster unavailable: {error}")
+    yield lab
+    lab.down()
+    assert_torn_down(network_existed)
+
+
+def assert_torn_down(network_existed: bool):
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "ddplab" not in netns
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    assert "ddplab" not in links and "ddpe-" not in links and "ddpi-" not in links
+    assert "ddp-slurm-lab" not in Path("/etc/hosts").read_text()
+    daemons = subprocess.run(["pgrep", "-f", "ddp-slurm-lab"], capture_output=True, text=True)
+    assert daemons.stdout == "", daemons.stdout
+    assert not Path("/tmp/ddp-slurm-lab").exists()
+    assert Path("/network").exists() == network_existed
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

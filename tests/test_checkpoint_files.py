@@ -1,0 +1,84 @@
+"""A process killed while it writes a checkpoint leaves the previous checkpoint loadable.
+
+Each checkpointing example's own save function runs in a child process. The state it saves
+holds an object whose pickling blocks, so that the process is killed half-way through writing
+the file, as a node failure or a SIGKILL at the time limit would.
+"""
+
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from smoke import EXAMPLES_DIR
+
+PRELUDE = """
+import sys, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+import main
+
+class Stall:
+    def __reduce__(self):
+        print("writing", flush=True)
+        time.sleep(300)
+
+path, version, stall = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "stall"
+extra = Stall() if stall else None
+"""
+# How each example saves, given the checkpoint `path`, a `version` number and an `extra` object
+# to put in the state; and where the version is in what torch.load returns.
+SAVES = {
+    "generic/checkpointing": (
+        'main.save_atomically({"version": version, "extra": extra}, path)',
+        lambda checkpoint: checkpoint["version"],
+    ),
+    "mila/checkpointing": (
+        'dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)\n'
+        "model = torch.nn.Linear(2, 2)\n"
+        "optimizer = torch.optim.AdamW(model.parameters())\n"
+        'main.save_checkpoint(path, model, optimizer, {"version": version, "extra": extra})',
+        lambda checkpoint: checkpoint["progress"]["version"],
+    ),
+}
+NAIVE = 'torch.save({"version": version, "extra": extra}, path)'
+
+
+def save(name: str, code: str, path, version: int, stall: bool = False):
+    """Runs a save in a child process; if `stall`, kills it half-way and returns when it died."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + code, str(path), str(version), "stall" * stall],
+        cwd=EXAMPLES_DIR / name,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    if stall:
+        assert proc.stdout.readline().strip() == "writing"
+        proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=120) == (-signal.SIGKILL if stall else 0)
+
+
+@pytest.mark.parametrize("name", SAVES)
+def test_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, name):
+    code, version_of = SAVES[name]
+    path = tmp_path / "checkpoint.pt"
+    save(name, code, path, version=1)
+    save(name, code, path, version=2, stall=True)
+    # The half-written file is there, under another name; the checkpoint is the old one, whole.
+    assert (tmp_path / "checkpoint.pt.tmp").exists()
+    assert version_of(torch.load(path, weights_only=True)) == 1
+    # And the next save goes through, over the leftover.
+    save(name, code, path, version=3)
+    assert version_of(torch.load(path, weights_only=True)) == 3
+
+
+def test_killed_mid_save_in_place_loses_the_checkpoint(tmp_path):
+    # The symptom that the atomic save prevents: torch.save straight to the checkpoint's path.
+    path = tmp_path / "checkpoint.pt"
+    save("generic/checkpointing", NAIVE, path, version=1)
+    save("generic/checkpointing", NAIVE, path, version=2, stall=True)
+    # An empty or truncated file, depending on where the kill landed.
+    with pytest.raises((EOFError, RuntimeError)):
+        torch.load(path, weights_only=True)

@@ -1,0 +1,274 @@
+"""Preemption, dying ranks and bad launches, under the real Slurm test cluster.
+
+What these tests hold the examples to: a preempted job resumes exactly where it stopped, and a
+job that cannot go on ends within a minute, with a message that names the cause, instead of
+hanging until its time limit.
+"""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from slurm_lab import Lab
+from smoke import EXAMPLES_DIR, numbers, parse_summaries
+
+pytestmark = pytest.mark.slurm
+
+FAIL_FAST = 60  # seconds: the longest a failing job may take to end, from submission or kill
+# A long enough run of the generic checkpointing example to interrupt it three times: 8 epochs
+# of 512 steps per rank, about 2 s each on this cluster.
+LONG_RUN = ("--epochs", "8", "--dataset-size", "16384", "--batch-size", "8")
+
+
+def submit(lab: Lab, name: str, *args: str, workdir: Path, options=()) -> str:
+    workdir.mkdir(parents=True, exist_ok=True)
+    script = EXAMPLES_DIR / name / "job.sh"
+    site = name.split("/")[0]
+    return lab.sbatch(
+        script, *args, site=site, workdir=workdir, options=options, OMP_NUM_THREADS="1"
+    )
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def find_rank(job_id: str, rank: int) -> int | None:
+    """The PID of the main.py process of `rank` in job `job_id`, from the processes' environment."""
+    wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+        except (OSError, ValueError):
+            continue
+        if b"main.py" in cmdline and wanted <= environ:
+            return int(proc.name)
+    return None
+
+
+def checkpoint_of(lab: Lab, job_id: str) -> dict:
+    """The checkpoint that job.sh's CHECKPOINT_DIR holds: $SCRATCH/checkpoints/<job ID>."""
+    path = lab.state / "scratch" / "checkpoints" / job_id / "checkpoint.pt"
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_bitwise_equal(a, b, where="checkpoint"):
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption and requeue
+
+
+def test_a_preempted_job_resumes_exactly(lab, tmp_path):
+    name = "generic/checkpointing"
+    plain = submit(lab, name, *LONG_RUN, workdir=tmp_path / "plain")
+    job = submit(lab, name, *LONG_RUN, workdir=tmp_path / "preempted")
+    output = tmp_path / "preempted" / f"slurm-{job}.out"
+
+    def requeue():  # what preemption does: SIGTERM to every process of the job, then requeue
+        subprocess.run(["scontrol", "requeue", job], env=lab.env(), check=True)
+
+    def warn_one_rank():  # one rank noticing must be enough for all of them to stop
+        os.kill(wait_until(lambda: find_rank(job, 2), 30, "rank 2"), signal.SIGUSR1)
+
+    def warn_all():  # what --signal=USR1@120 does before the time limit
+        subprocess.run(["scancel", "--signal=USR1", job], env=lab.env(), check=True)
+
+    # An unplanned step each time: a random moment within an epoch of training.
+    rng = random.Random()
+    for restarts, interrupt in enumerate([requeue, warn_one_rank, warn_all], start=1):
+        epochs_seen = read(output).count("mean loss")
+        wait_until(
+            lambda seen=epochs_seen: read(output).count("mean loss") > seen,
+            120,
+            "an epoch of training",
+        )
+        time.sleep(rng.uniform(0.1, 1.5))
+        interrupt()
+        # A requeued job waits about two minutes before it may start again; skip the wait.
+        wait_until(
+            lambda n=restarts: (
+                lab.job_info(job).get("JobState") == "PENDING"
+                and lab.job_info(job).get("Restarts") == str(n)
+            ),
+            FAIL_FAST,
+            f"requeue number {restarts}",
+        )
+        subprocess.run(
+            ["scontrol", "update", f"JobId={job}", "StartTime=now"], env=lab.env(), check=True
+        )
+    preempted = lab.wait(job, tmp_path / "preempted", timeout=300)
+    uninterrupted = lab.wait(plain, tmp_path / "plain", timeout=300)
+    assert uninterrupted.ok, uninterrupted.output
+    assert preempted.ok, preempted.output
+
+    # Each interruption stopped every rank at one step, and the next run resumed from there.
+    stops = re.findall(r"\[(\d)/4\] Stopped at step (\d+), checkpoint saved", preempted.output)
+    resumes = re.findall(r"Resumed from \S+ at step (\d+)", preempted.output)
+    steps = sorted({int(step) for _, step in stops})
+    assert len(stops) == 3 * 4 and len(steps) == 3, preempted.output
+    assert [int(step) for step in resumes] == steps, preempted.output
+    assert preempted.output.count("Requeueing job") == 2, preempted.output
+
+    # The final weights, optimizer state, losses and random states are bitwise those of the
+    # run that was never interrupted; the summaries differ only in the restart count.
+    assert_bitwise_equal(checkpoint_of(lab, job), checkpoint_of(lab, plain))
+    mine, theirs = parse_summaries(preempted.output), parse_summaries(uninterrupted.output)
+    assert [s.pop("restarts") for s in mine] == [3] * 4
+    assert [s.pop("restarts") for s in theirs] == [0] * 4
+    assert numbers(mine) == numbers(theirs)
+    print(f"preempted at steps {steps} of {mine[0]['steps']}: final state bitwise equal")
+
+
+# ---------------------------------------------------------------------------------------------
+# A rank dies
+
+
+def test_a_killed_rank_ends_the_whole_job_at_once(lab, tmp_path):
+    # A rank that dies must end the job, with the dead task named, not leave it hanging. srun
+    # --kill-on-bad-exit=1 sees to it for any backend. (gloo, which the CPU runs use, also
+    # notices the closed connections by itself; NCCL often waits until its timeout.)
+    job_id = submit(lab, "generic/checkpointing", *LONG_RUN, workdir=tmp_path)
+    output = tmp_path / f"slurm-{job_id}.out"
+    wait_until(lambda: "epoch 0: mean loss" in read(output), 120, "training")
+    os.kill(wait_until(lambda: find_rank(job_id, rank=1), 30, "rank 1"), signal.SIGKILL)
+    killed = time.monotonic()
+    job = lab.wait(job_id, tmp_path, timeout=120)
+    took = time.monotonic() - killed
+    assert took < FAIL_FAST, job.output
+    assert job.state == "FAILED" and job.exit_code != "0:0", job.output
+    assert re.search(r"cn1: task 1: Killed", job.output), job.output
+    print(f"rank 1 killed: the job ended in {took:.1f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad launches: each ends the job within a minute, with the cause and the fix
+
+
+def timed_job(lab: Lab, job_id: str, workdir: Path, what: str):
+    start = time.monotonic()
+    job = lab.wait(job_id, workdir, timeout=2 * FAIL_FAST)
+    took = time.monotonic() - start
+    assert job.state == "FAILED", job.output
+    assert took < FAIL_FAST, f"took {took:.0f} s\n{job.output}"
+    assert "summary:" not in job.output
+    print(f"{what}: failed in {took:.1f} s")
+    return job
+
+
+# How each site's scripts make torch importable, for the hand-written wrong scripts below.
+SITE_SETUP = {
+    "generic": 'source "$HOME/venvs/ddp/bin/activate"',
+    "mila": "module load anaconda/3 && conda activate pytorch",
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "message"),
+    [
+        ("generic/checkpointing", "--epochs 1", "not started by srun"),
+        (
+            "mila/checkpointing",
+            "--synthetic-data --epochs 1",
+            "main.py was started by the batch script, not by srun",
+        ),
+    ],
+)
+def test_python_without_srun_fails_fast(lab, tmp_path, name, args, message):
+    # The classic hang: `python main.py` in a job of 4 tasks starts one process, which would
+    # wait forever for the other three.
+    site = name.split("/")[0]
+    script = tmp_path / "wrong.sh"
+    script.write_text(
+        f"#!/bin/bash\n{SITE_SETUP[site]}\ncd {EXAMPLES_DIR / name}\npython main.py {args}\n"
+    )
+    options = ["--nodes=2", "--ntasks-per-node=2"]
+    job_id = lab.sbatch(script, site=site, workdir=tmp_path, options=options)
+    job = timed_job(lab, job_id, tmp_path, f"{name}: python without srun")
+    assert message in job.output
+
+
+def test_resuming_with_another_task_count_fails_fast(lab, tmp_path):
+    name = "generic/checkpointing"
+    first = submit(lab, name, "--epochs", "1", "--dataset-size", "256", workdir=tmp_path)
+    assert lab.wait(first, tmp_path, timeout=120).ok
+    checkpoints = lab.state / "scratch" / "checkpoints" / first
+    # The same checkpoints, with 2 tasks instead of 4.
+    job_id = submit(
+        lab, name, "--checkpoint-dir", str(checkpoints), workdir=tmp_path,
+        options=["--ntasks-per-node=1"],
+    )  # fmt: skip
+    job = timed_job(lab, job_id, tmp_path, "resume with 2 tasks from 4")
+    assert "was written by 4 processes, and this job has 2" in job.output
+
+
+def test_master_port_in_use_fails_fast(lab, tmp_path):
+    name = "generic/checkpointing"
+    job_id = submit(lab, name, *LONG_RUN, workdir=tmp_path, options=["--hold"])
+    port = 10000 + int(job_id) % 10000  # as job.sh derives it
+    # Another process holds the port on the job's first node, cn1.
+    holder = subprocess.Popen(
+        ["ip", "netns", "exec", "ddplab-cn1", "python3", "-c",
+         "import socket, sys, time; s = socket.socket(); "
+         f"s.bind(('0.0.0.0', {port})); s.listen(); print('bound', flush=True); time.sleep(300)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "bound"
+        subprocess.run(["scontrol", "release", job_id], env=lab.env(), check=True)
+        job = timed_job(lab, job_id, tmp_path, "MASTER_PORT in use")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"rank 0 cannot listen on port {port} of cn1: another process holds it" in job.output
+
+
+def test_a_head_node_that_never_comes_up_fails_fast(lab, tmp_path):
+    # MASTER_ADDR names cn1, but every task runs on cn2: nothing will ever listen on cn1, as
+    # when the first node is down or its task never started. The rendezvous gives up after
+    # the short timeout that main.py sets, instead of torch's 30 minutes.
+    name = "generic/checkpointing"
+    script = tmp_path / "wrong.sh"
+    script.write_text(
+        f"#!/bin/bash\n{SITE_SETUP['generic']}\ncd {EXAMPLES_DIR / name}\n"
+        "export MASTER_ADDR=cn1 MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))\n"
+        "srun --kill-on-bad-exit=1 --nodes=1 --relative=1 --ntasks=2 "
+        "python main.py --rendezvous-timeout 15\n"
+    )
+    job_id = lab.sbatch(
+        script, site="generic", workdir=tmp_path, options=["--nodes=2", "--ntasks-per-node=2"],
+        OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    job = timed_job(lab, job_id, tmp_path, "head node never up")
+    assert re.search(r"waited 15 s for the rendezvous at cn1:\d+", job.output), job.output
