@@ -32,3 +32,22 @@ def test_collectives_give_the_documented_results(world_size, tmp_path):
         assert r["broadcast"] == 100.0
         assert r["all_gather"] == [10.0 * k for k in range(world_size)]
         assert r["barrier"] is True
+
+
+def test_sampler_pitfalls_show_what_the_troubleshooting_page_says():
+    sys.path.insert(0, str(SNIPPETS))
+    try:
+        import sampler_pitfalls as pitfalls
+    finally:
+        sys.path.remove(str(SNIPPETS))
+    # Without set_epoch, every epoch repeats the first epoch's order; with it, each differs.
+    without = pitfalls.epoch_orders(100, epochs=3, call_set_epoch=False)
+    assert without[0] == without[1] == without[2]
+    with_set_epoch = pitfalls.epoch_orders(100, epochs=3, call_set_epoch=True)
+    assert with_set_epoch[0] != with_set_epoch[1] != with_set_epoch[2]
+    assert sorted(without[0]) == sorted(set(without[0]))
+    # 25 samples over 2 and 3 ranks: padding counts 26 and 27; strided shards count 25.
+    assert pitfalls.samples_validated(25, 2) == 26
+    assert pitfalls.samples_validated(25, 3) == 27
+    assert pitfalls.samples_validated_exactly(25, 2) == 25
+    assert pitfalls.samples_validated_exactly(25, 3) == 25
