@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,8 +212,13 @@ def run_example(
     args: tuple[str, ...] | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 240,
+    while_running: Callable[[list[subprocess.Popen], list[Path]], None] | None = None,
 ) -> Run:
-    """Runs one example in smoke mode; `launch`, `args` and `env` override its defaults."""
+    """Runs one example in smoke mode; `launch`, `args` and `env` override its defaults.
+
+    `while_running`, if given, is called with the tasks' processes and log files once they
+    have started, to interrupt them, say.
+    """
     launch = launch or EXAMPLES[name]
     args = launch.args if args is None else args
     folder = EXAMPLES_DIR / name
@@ -245,6 +251,8 @@ def run_example(
                     stderr=subprocess.STDOUT,
                 )
             )
+        if while_running:
+            while_running(procs, [Path(log.name) for log in logs])
         returncodes = wait_all(procs, timeout)
         outputs = []
         for log in logs:

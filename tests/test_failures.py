@@ -86,8 +86,31 @@ def assert_bitwise_equal(a, b, where="checkpoint"):
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def unwrapped(output: str) -> str:
+    """The output with rich's log lines, which it wraps at 80 columns, made whole again."""
+    return re.sub(r"\s+main\.py:\d+\n\s+", " ", output)
+
+
 # ---------------------------------------------------------------------------------------------
 # Preemption and requeue
+
+
+def restart_when_requeued(lab: Lab, job: str, restarts: int):
+    """Waits for the job to be back in the queue, then lets it start at once.
+
+    Slurm holds a requeued job for about two minutes before it may start again.
+    """
+    wait_until(
+        lambda: (
+            lab.job_info(job).get("JobState") == "PENDING"
+            and lab.job_info(job).get("Restarts") == str(restarts)
+        ),
+        FAIL_FAST,
+        f"requeue number {restarts}",
+    )
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job}", "StartTime=now"], env=lab.env(), check=True
+    )
 
 
 def test_a_preempted_job_resumes_exactly(lab, tmp_path):
@@ -116,18 +139,7 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path):
         )
         time.sleep(rng.uniform(0.1, 1.5))
         interrupt()
-        # A requeued job waits about two minutes before it may start again; skip the wait.
-        wait_until(
-            lambda n=restarts: (
-                lab.job_info(job).get("JobState") == "PENDING"
-                and lab.job_info(job).get("Restarts") == str(n)
-            ),
-            FAIL_FAST,
-            f"requeue number {restarts}",
-        )
-        subprocess.run(
-            ["scontrol", "update", f"JobId={job}", "StartTime=now"], env=lab.env(), check=True
-        )
+        restart_when_requeued(lab, job, restarts)
     preempted = lab.wait(job, tmp_path / "preempted", timeout=300)
     uninterrupted = lab.wait(plain, tmp_path / "plain", timeout=300)
     assert uninterrupted.ok, uninterrupted.output
@@ -149,6 +161,36 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path):
     assert [s.pop("restarts") for s in theirs] == [0] * 4
     assert numbers(mine) == numbers(theirs)
     print(f"preempted at steps {steps} of {mine[0]['steps']}: final state bitwise equal")
+
+
+def test_a_preempted_mila_job_resumes_exactly(lab, tmp_path):
+    # The Mila step has DataLoader workers, which Slurm signals too: they must not die of
+    # SIGTERM and fail their rank before it saves. 2 nodes x 1 task, to keep it short.
+    name = "mila/checkpointing"
+    args = ("--synthetic-data", "--synthetic-size", "600", "--batch-size", "16", "--epochs", "2")
+    options = ["--ntasks-per-node=1"]
+    plain = submit(lab, name, *args, workdir=tmp_path / "plain", options=options)
+    job = submit(lab, name, *args, workdir=tmp_path / "preempted", options=options)
+    output = tmp_path / "preempted" / f"slurm-{job}.out"
+    wait_until(lambda: "Train epoch 0:" in read(output), 180, "training")
+    time.sleep(random.uniform(0.5, 2.0))
+    subprocess.run(["scontrol", "requeue", job], env=lab.env(), check=True)
+    restart_when_requeued(lab, job, 1)
+    preempted = lab.wait(job, tmp_path / "preempted", timeout=300)
+    uninterrupted = lab.wait(plain, tmp_path / "plain", timeout=300)
+    assert uninterrupted.ok, uninterrupted.output
+    assert preempted.ok, preempted.output
+    text = unwrapped(preempted.output)
+    stops = re.findall(r"Stopped at step (\d+), checkpoint saved", text)
+    assert len(stops) == 2 and len(set(stops)) == 1, preempted.output
+    assert re.search(rf"Resumed from .+ at step {stops[0]}\b", text, re.S), preempted.output
+    assert "killed by signal" not in text
+    assert_bitwise_equal(checkpoint_of(lab, job), checkpoint_of(lab, plain))
+    mine, theirs = parse_summaries(preempted.output), parse_summaries(uninterrupted.output)
+    assert [s.pop("restarts") for s in mine] == [1, 1]
+    assert [s.pop("restarts") for s in theirs] == [0, 0]
+    assert numbers(mine) == numbers(theirs)
+    print(f"mila: preempted at step {stops[0]} of {mine[0]['steps']}: final state bitwise equal")
 
 
 # ---------------------------------------------------------------------------------------------

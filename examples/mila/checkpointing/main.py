@@ -109,7 +109,15 @@ def main():
     )
     # Where this run starts: the latest checkpoint's position, or the beginning.
     checkpoint_path = args.checkpoint_dir / "checkpoint.pt"
-    progress = {"epoch": 0, "step": 0, "epoch_step": 0, "first_loss": None, "last_loss": None}
+    # Besides the position, the progress holds what the summary reports, kept across restarts.
+    progress = {
+        "epoch": 0,
+        "step": 0,
+        "epoch_step": 0,
+        "first_loss": None,
+        "last_loss": None,
+        "val": [None, None, None],
+    }
     if checkpoint_path.exists():
         progress = load_checkpoint(checkpoint_path, model, optimizer, rank, world_size)
         logger.info(f"Resumed from {checkpoint_path} at step {progress['step']}")
@@ -137,9 +145,14 @@ def main():
         num_workers=num_workers,
         sampler=train_sampler,
         generator=loader_generator,
+        worker_init_fn=leave_signals_to_main_process,
     )
     valid_dataloader = DataLoader(
-        valid_shard, batch_size=args.batch_size, num_workers=num_workers, shuffle=False
+        valid_shard,
+        batch_size=args.batch_size,
+        num_workers=num_workers,
+        shuffle=False,
+        worker_init_fn=leave_signals_to_main_process,
     )
     if is_master:
         logger.info(f"Effective batch size: {args.batch_size * world_size}")
@@ -149,9 +162,9 @@ def main():
     # stuck in the rendezvous, which a handler could not interrupt.
     signal.signal(signal.SIGUSR1, note_stop_signal)
     signal.signal(signal.SIGTERM, note_stop_signal)
-    step, first_loss, last_loss = progress["step"], progress["first_loss"], progress["last_loss"]
-    epoch_step = progress["epoch_step"]
-    val_loss = val_accuracy = val_samples = None
+    step, epoch_step = progress["step"], progress["epoch_step"]
+    first_loss, last_loss = progress["first_loss"], progress["last_loss"]
+    val_loss, val_accuracy, val_samples = progress["val"]
     for epoch in range(progress["epoch"], args.epochs):
         if step == args.max_steps:
             break
@@ -186,8 +199,14 @@ def main():
             # At max_steps the run is over anyway: finish it rather than save and stop.
             if signum and step != args.max_steps:
                 progress_bar.close()
-                progress = {"epoch": epoch, "step": step, "epoch_step": epoch_step}
-                progress.update(first_loss=first_loss, last_loss=last_loss)
+                progress = {
+                    "epoch": epoch,
+                    "step": step,
+                    "epoch_step": epoch_step,
+                    "first_loss": first_loss,
+                    "last_loss": last_loss,
+                    "val": [val_loss, val_accuracy, val_samples],
+                }
                 save_checkpoint(checkpoint_path, model.module, optimizer, progress)
                 logger.info(f"Stopped at step {step}, checkpoint saved")
                 if signum == signal.SIGUSR1 and is_master:
@@ -208,8 +227,14 @@ def main():
             )
         # The next run starts with the next epoch.
         epoch_step = 0
-        progress = {"epoch": epoch + 1, "step": step, "epoch_step": 0}
-        progress.update(first_loss=first_loss, last_loss=last_loss)
+        progress = {
+            "epoch": epoch + 1,
+            "step": step,
+            "epoch_step": 0,
+            "first_loss": first_loss,
+            "last_loss": last_loss,
+            "val": [val_loss, val_accuracy, val_samples],
+        }
         save_checkpoint(checkpoint_path, model.module, optimizer, progress)
 
     # One plain line per process to grep from the job's output: the numbers should agree.
@@ -265,6 +290,16 @@ def setup():
     # env:// reads MASTER_ADDR and MASTER_PORT, which job.sh exported for every task.
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
     return rank, local_rank, world_size
+
+
+def leave_signals_to_main_process(worker_id: int):
+    """Makes a DataLoader worker ignore the stop signals, which Slurm sends to it too.
+
+    Slurm signals every process of a job step. A worker's default, dying of SIGTERM, would make
+    the main process fail at once ("DataLoader worker is killed by signal"), checkpoint or not.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def agree_to_stop(device: torch.device) -> int:
