@@ -3,7 +3,7 @@
 Over multi_node:
 - rank 0 writes a checkpoint atomically at the end of every epoch and whenever the job is told
   to stop. It holds all that is needed to continue exactly: model, optimizer, epoch, step, the
-  loss history, and each rank's random state;
+  numbers the summary reports, and each rank's random state;
 - a job that starts again, requeued or resubmitted, resumes from the latest checkpoint, part-way
   through an epoch if need be;
 - on SIGUSR1, which job.sh asks Slurm to send before the time limit, or SIGTERM (preemption,
