@@ -70,20 +70,14 @@ def main():
     # every image counts once. DistributedSampler would repeat some to even out the shards.
     valid_shard = Subset(valid_dataset, range(rank, len(valid_dataset), world_size))
     num_workers = args.num_workers if args.num_workers is not None else get_num_workers()
-    # persistent_workers: the workers start once and serve every epoch. Restarting them each
-    # epoch costs time, and forking new workers while the old ones' queue threads are still
-    # exiting can deadlock a new worker (seen with Python 3.11), hanging the whole job.
     train_dataloader = DataLoader(
         train_dataset,
         batch_size=args.batch_size,
         sampler=train_sampler,
         num_workers=num_workers,
-        persistent_workers=True,
         pin_memory=device.type == "cuda",
     )
-    valid_dataloader = DataLoader(
-        valid_shard, batch_size=args.batch_size, num_workers=num_workers, persistent_workers=True
-    )
+    valid_dataloader = DataLoader(valid_shard, batch_size=args.batch_size, num_workers=num_workers)
     if is_master:
         logger.info(
             f"{len(train_dataset.classes)} classes, {len(train_dataset)} training and "

@@ -135,28 +135,23 @@ def main():
     # sample, with no padding. The shards may differ in size by one, which validation allows.
     valid_shard = Subset(valid_dataset, range(rank, len(valid_dataset), world_size))
     num_workers = get_num_workers()
-    # A DataLoader draws a seed for its workers when they start. From a generator of its own,
-    # not torch's global one, it leaves the global random state to training, so that the copy
-    # of it in a checkpoint continues exactly.
-    # persistent_workers: the workers start once and serve every epoch. Restarting them each
-    # epoch costs time, and forking new workers while the old ones' queue threads are still
-    # exiting can deadlock a new worker (seen with Python 3.11), hanging the whole job.
+    # A DataLoader draws a seed for its workers at the start of every epoch. From a generator
+    # of its own, not torch's global one, it leaves the global random state to training, so
+    # that the copy of it in a checkpoint continues exactly.
+    loader_generator = torch.Generator()
     train_dataloader = DataLoader(
         train_dataset,
         batch_size=args.batch_size,
         num_workers=num_workers,
-        persistent_workers=True,
         sampler=train_sampler,
-        generator=torch.Generator(),
+        generator=loader_generator,
         worker_init_fn=leave_signals_to_main_process,
     )
     valid_dataloader = DataLoader(
         valid_shard,
         batch_size=args.batch_size,
         num_workers=num_workers,
-        persistent_workers=True,
         shuffle=False,
-        generator=torch.Generator(),
         worker_init_fn=leave_signals_to_main_process,
     )
     if is_master:
@@ -175,6 +170,8 @@ def main():
             break
         # Without set_epoch, the sampler would shuffle the data the same way in every epoch.
         train_sampler.set_epoch(epoch)
+        # Like set_epoch: the same worker seeds for an epoch, however often the job restarted.
+        loader_generator.manual_seed(args.seed + epoch)
         # A resumed epoch skips the batches its interrupted run already trained on.
         train_sampler.skip = epoch_step * args.batch_size
         # train() matters for BatchNorm, which ResNet-18 uses: batch statistics while training.

@@ -96,22 +96,11 @@ def main():
     # sample, with no padding. The shards may differ in size by one, which validation allows.
     valid_shard = Subset(valid_dataset, range(rank, len(valid_dataset), world_size))
     num_workers = get_num_workers()
-    # persistent_workers: the workers start once and serve every epoch. Restarting them each
-    # epoch costs time, and forking new workers while the old ones' queue threads are still
-    # exiting can deadlock a new worker (seen with Python 3.11), hanging the whole job.
     train_dataloader = DataLoader(
-        train_dataset,
-        batch_size=args.batch_size,
-        num_workers=num_workers,
-        persistent_workers=True,
-        sampler=train_sampler,
+        train_dataset, batch_size=args.batch_size, num_workers=num_workers, sampler=train_sampler
     )
     valid_dataloader = DataLoader(
-        valid_shard,
-        batch_size=args.batch_size,
-        num_workers=num_workers,
-        persistent_workers=True,
-        shuffle=False,
+        valid_shard, batch_size=args.batch_size, num_workers=num_workers, shuffle=False
     )
     if is_master:
         logger.info(f"Effective batch size: {args.batch_size * world_size}")

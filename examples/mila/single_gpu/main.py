@@ -74,22 +74,11 @@ def main():
         args.data_dir, args.synthetic_data, args.synthetic_size
     )
     num_workers = get_num_workers()
-    # persistent_workers: the workers start once and serve every epoch. Restarting them each
-    # epoch costs time, and forking new workers while the old ones' queue threads are still
-    # exiting can deadlock a new worker (seen with Python 3.11), hanging the whole job.
     train_dataloader = DataLoader(
-        train_dataset,
-        batch_size=args.batch_size,
-        num_workers=num_workers,
-        persistent_workers=True,
-        shuffle=True,
+        train_dataset, batch_size=args.batch_size, num_workers=num_workers, shuffle=True
     )
     valid_dataloader = DataLoader(
-        valid_dataset,
-        batch_size=args.batch_size,
-        num_workers=num_workers,
-        persistent_workers=True,
-        shuffle=False,
+        valid_dataset, batch_size=args.batch_size, num_workers=num_workers, shuffle=False
     )
 
     step = 0
