@@ -362,25 +362,33 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
 
 
+def job_processes(job_id: str) -> list[tuple[int, str, set[str]]]:
+    """PID, command line and environment of each process of job `job_id` on this machine."""
+    processes = []
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = set((proc / "environ").read_bytes().decode(errors="replace").split("\0"))
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if f"SLURM_JOB_ID={job_id}" in environ:
+            processes.append((int(proc.name), cmdline, environ))
+    return processes
+
+
 def job_stacks(job_id: str) -> str:
     """The Python and native stacks of the job's Python processes, by py-spy, if installed."""
     py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if py_spy is None:
         return "(py-spy is not installed)"
-    wanted = f"SLURM_JOB_ID={job_id}".encode()
     dumps = []
-    for proc in Path("/proc").iterdir():
-        try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError):
-            continue
-        if wanted in environ and "python" in cmdline:
+    for pid, cmdline, _ in job_processes(job_id):
+        if "python" in cmdline:
             dump = subprocess.run(
-                [py_spy, "dump", "--native", "--pid", proc.name],
+                [py_spy, "dump", "--native", "--pid", str(pid)],
                 capture_output=True, text=True, timeout=60,
             )  # fmt: skip
-            dumps.append(f"--- {proc.name}: {cmdline}\n{dump.stdout}{dump.stderr}")
+            dumps.append(f"--- {pid}: {cmdline}\n{dump.stdout}{dump.stderr}")
     return "\n".join(dumps)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -287,24 +288,56 @@ def wait_all(procs: list[subprocess.Popen], timeout: float, grace: float = 20) -
 
 
 def parse_summaries(output: str) -> list[dict]:
-    """The `summary: {...}` records of a run, sorted by rank.
+    """The `summary: {...}` records of a run, sorted by rank."""
+    return sorted(decode_records(output, "summary: "), key=lambda s: s.get("rank", 0))
+
+
+def decode_records(output: str, marker: str) -> list[dict]:
+    """The JSON objects that follow each `marker` in `output`, in order.
 
     Processes that share a stdout (under torchrun) can interleave their lines, so each record
     is decoded where it starts rather than line by line.
     """
     decoder = json.JSONDecoder()
-    summaries = []
-    start = output.find("summary: ")
+    records = []
+    start = output.find(marker)
     while start != -1:
-        record, end = decoder.raw_decode(output, start + len("summary: "))
-        summaries.append(record)
-        start = output.find("summary: ", end)
-    return sorted(summaries, key=lambda s: s.get("rank", 0))
+        # A marker that is itself the start of the JSON object ('{"rank"') belongs to it.
+        at = start if marker.startswith("{") else start + len(marker)
+        record, end = decoder.raw_decode(output, at)
+        records.append(record)
+        start = output.find(marker, end)
+    return records
 
 
 def numbers(summaries: list[dict]) -> list[dict]:
     """The summaries without the host names: what must match between two runs of one layout."""
     return [{k: v for k, v in s.items() if k != "host"} for s in summaries]
+
+
+def assert_bitwise_equal(a, b, where="checkpoint"):
+    """Fails unless `a` and `b`, nested dicts, lists and tensors, are equal bit for bit."""
+    import torch  # here, so that running the examples does not import torch in this process
+
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def unwrapped(output: str) -> str:
+    """The output with rich's log lines, which it wraps at 80 columns, made whole again."""
+    return re.sub(r"\s+main\.py:\d+\n\s+", " ", output)
 
 
 def check_run(run: Run) -> list[str]:

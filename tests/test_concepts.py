@@ -1,13 +1,11 @@
 """The concepts page's collective snippets give the results the page states."""
 
-import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from smoke import base_env
+from smoke import base_env, decode_records
 
 SNIPPETS = Path(__file__).resolve().parent.parent / "docs" / "snippets"
 
@@ -20,14 +18,8 @@ def test_collectives_give_the_documented_results(world_size, tmp_path):
         env=base_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    # The processes share torchrun's stdout, where their lines can run into each other: decode
-    # each record where it starts.
-    decoder = json.JSONDecoder()
-    starts = [m.start() for m in re.finditer(r'\{"rank"', result.stdout)]
-    records = sorted(
-        (decoder.raw_decode(result.stdout, start)[0] for start in starts),
-        key=lambda r: r["rank"],
-    )
+    # The processes share torchrun's stdout, where their lines can run into each other.
+    records = sorted(decode_records(result.stdout, '{"rank"'), key=lambda r: r["rank"])
     assert [r["rank"] for r in records] == list(range(world_size))
     total = world_size * (world_size + 1) / 2  # 1 + 2 + ... + world_size
     for r in records:

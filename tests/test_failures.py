@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from slurm_lab import Lab
-from smoke import EXAMPLES_DIR, numbers, parse_summaries
+from slurm_lab import Lab, job_processes
+from smoke import EXAMPLES_DIR, assert_bitwise_equal, numbers, parse_summaries, unwrapped
 
 pytestmark = pytest.mark.slurm
 
@@ -50,16 +50,10 @@ def read(path: Path) -> str:
 
 
 def find_rank(job_id: str, rank: int) -> int | None:
-    """The PID of the main.py process of `rank` in job `job_id`, from the processes' environment."""
-    wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes()
-            environ = set((proc / "environ").read_bytes().split(b"\0"))
-        except (OSError, ValueError):
-            continue
-        if b"main.py" in cmdline and wanted <= environ:
-            return int(proc.name)
+    """The PID of the main.py process of `rank` in job `job_id`."""
+    for pid, cmdline, environ in job_processes(job_id):
+        if "main.py" in cmdline and f"SLURM_PROCID={rank}" in environ:
+            return pid
     return None
 
 
@@ -67,28 +61,6 @@ def checkpoint_of(lab: Lab, job_id: str) -> dict:
     """The checkpoint that job.sh's CHECKPOINT_DIR holds: $SCRATCH/checkpoints/<job ID>."""
     path = lab.state / "scratch" / "checkpoints" / job_id / "checkpoint.pt"
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def assert_bitwise_equal(a, b, where="checkpoint"):
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def unwrapped(output: str) -> str:
-    """The output with rich's log lines, which it wraps at 80 columns, made whole again."""
-    return re.sub(r"\s+main\.py:\d+\n\s+", " ", output)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from smoke import EXAMPLES, numbers, run_example
-from test_failures import assert_bitwise_equal, unwrapped
+from smoke import EXAMPLES, assert_bitwise_equal, numbers, run_example, unwrapped
 
 # Long enough to be stopped in the middle: several steps per epoch, two epochs.
 ARGS = {
