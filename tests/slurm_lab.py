@@ -176,7 +176,8 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 MpiDefault=none
 GresTypes=gpu
-MinJobAge=30
+# Finished jobs stay in `scontrol show job` for an hour: a test may wait for one, then another.
+MinJobAge=3600
 SchedulerParameters=batch_sched_delay=0
 EnforcePartLimits=ALL
 KillWait=30
@@ -325,6 +326,8 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         stacks = None
         while time.monotonic() - start < timeout:
             info = self.job_info(job_id)
+            # A job that has left slurmctld's memory cannot be waited for: say so at once.
+            assert info, f"job {job_id} is unknown to slurmctld (over MinJobAge, or never existed)"
             if info.get("JobState") in {
                 "COMPLETED",
                 "FAILED",
