@@ -24,6 +24,21 @@ def test_every_example_folder_has_a_smoke_run():
     assert folders == set(EXAMPLES), "add new examples to EXAMPLES in tests/smoke.py"
 
 
+def test_every_process_group_forks_its_workers_from_a_server():
+    # A DataLoader worker fork()ed from a process that runs a process group's threads can hang
+    # before it starts, on Python up to 3.11.9 (see "Training hangs when validation begins" on
+    # the troubleshooting page). Every example with both must start its workers from a server.
+    both = [
+        path.parent.relative_to(EXAMPLES_DIR)
+        for path in sorted(EXAMPLES_DIR.glob("**/main.py"))
+        if "init_process_group" in (source := path.read_text()) and "num_workers=" in source
+    ]
+    assert len(both) >= 7, both  # Mila's and Ibex's multi-process steps, and mp_spawn
+    for folder in both:
+        source = (EXAMPLES_DIR / folder / "main.py").read_text()
+        assert 'multiprocessing.set_start_method("forkserver", force=True)' in source, folder
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_smoke_run_trains_on_every_rank(name, smoke_run):
     run = smoke_run(name)

@@ -8,7 +8,7 @@ stop after the same step, and a second run resumes from the checkpoint. The Slur
 import os
 import re
 import signal
-import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,22 +27,44 @@ ARGS = {
 TRAINING = {"mila/checkpointing": "Train epoch 0:", "generic/checkpointing": "epoch 0: mean loss"}
 
 
-def stop_one_rank(name: str):
-    """Sends SIGTERM to rank 1 and its DataLoader workers once training has begun.
+def descendants(pid: int) -> list[int]:
+    """The PIDs of the processes that `pid` started, and of theirs, and so on.
 
-    Slurm signals every process of a step, workers included; the other ranks must learn of the
-    stop from rank 1.
+    A rank's DataLoader workers are its grandchildren: they come from a fork server.
+    """
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name, in parentheses, may hold spaces: the fields follow the last ")".
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def wait_for_training(name: str, logs: list[Path]):
+    deadline = time.monotonic() + 120
+    while TRAINING[name] not in logs[0].read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+
+
+def stop_one_rank(name: str):
+    """Sends SIGTERM to rank 1 and every process under it once training has begun.
+
+    Slurm signals every process of a step, DataLoader workers included; the other ranks must
+    learn of the stop from rank 1.
     """
 
     def interrupt(procs, logs: list[Path]):
-        deadline = time.monotonic() + 120
-        while TRAINING[name] not in logs[0].read_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)
-        children = subprocess.run(
-            ["pgrep", "-P", str(procs[1].pid)], capture_output=True, text=True
-        ).stdout.split()
-        for pid in [procs[1].pid, *map(int, children)]:
+        wait_for_training(name, logs)
+        for pid in [procs[1].pid, *descendants(procs[1].pid)]:
             os.kill(pid, signal.SIGTERM)
 
     return interrupt
@@ -67,3 +89,29 @@ def test_a_stopped_run_resumes_exactly(tmp_path, name):
         tmp_path / run / "checkpoint.pt", map_location="cpu", weights_only=True
     )
     assert_bitwise_equal(load("stopped"), load("plain"))
+
+
+def test_dataloader_workers_leave_the_stop_signals_to_their_rank():
+    # Slurm's SIGTERM and SIGUSR1 reach the fork server and the workers too. If they died of
+    # them, their rank would fail as it waited for its next batch, before it could save. Here
+    # only the processes under rank 1 are signalled, so training must go on to the end.
+    name = "mila/checkpointing"
+    signalled = []
+
+    def signal_workers(procs, logs: list[Path]):
+        wait_for_training(name, logs)
+        signalled.extend(descendants(procs[1].pid))
+        for pid in signalled:
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGUSR1)
+
+    with tempfile.TemporaryDirectory() as checkpoints:
+        run = run_example(
+            name, EXAMPLES[name], ARGS[name], env={"CHECKPOINT_DIR": checkpoints},
+            while_running=signal_workers,
+        )  # fmt: skip
+    # The fork server, its resource tracker and at least one worker were signalled.
+    assert len(signalled) >= 3, signalled
+    assert run.ok, run.output
+    assert "Stopped at step" not in run.output
+    assert len(run.summaries) == EXAMPLES[name].world_size

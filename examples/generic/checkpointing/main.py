@@ -88,9 +88,13 @@ def main():
     # stuck in the rendezvous, which a handler could not interrupt.
     signal.signal(signal.SIGUSR1, note_stop_signal)
     signal.signal(signal.SIGTERM, note_stop_signal)
-    finished = trainer.train(args.epochs)
-    if not finished:
+    stopped_by = trainer.train(args.epochs)
+    if stopped_by:
         print(f"[{rank}/{world_size}] Stopped at step {trainer.step}, checkpoint saved", flush=True)
+        # SIGUSR1 warns of the time limit, at which the job would end for good: requeue it.
+        # After SIGTERM, Slurm is ending the job already, and requeues it if it preempted it.
+        if stopped_by == signal.SIGUSR1 and rank == 0:
+            requeue()
         return
 
     summary = {
@@ -245,8 +249,8 @@ class Trainer:
         self.optimizer.step()
         return loss.detach()
 
-    def train(self, max_epochs: int) -> bool:
-        """Trains until max_epochs; returns False if told to stop before."""
+    def train(self, max_epochs: int) -> int:
+        """Trains until max_epochs; returns 0, or the signal that stopped training before."""
         sampler = self.dataloader.sampler
         while self.epoch < max_epochs:
             sampler.set_epoch(self.epoch)
@@ -264,9 +268,7 @@ class Trainer:
                 signum = self.agree_to_stop()
                 if signum:
                     self.save()
-                    if signum == signal.SIGUSR1 and dist.get_rank() == 0:
-                        requeue()
-                    return False
+                    return signum
             # The epoch's mean loss over all processes, identical on each of them.
             totals = self.epoch_sums.clone()
             dist.all_reduce(totals)
@@ -277,7 +279,7 @@ class Trainer:
             self.epoch_step = 0
             self.epoch_sums.zero_()
             self.save()
-        return True
+        return 0
 
 
 def save_atomically(state: dict, path: Path):
@@ -298,7 +300,13 @@ def requeue():
     job_id = os.environ["SLURM_JOB_ID"]
     print(f"Requeueing job {job_id}", flush=True)
     # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
-    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    result = subprocess.run(["scontrol", "requeue", job_id])
+    # The requeue ends every process of the job, scontrol included: its SIGTERM means success.
+    if result.returncode not in (0, -signal.SIGTERM):
+        raise SystemExit(
+            f"error: `scontrol requeue {job_id}` failed, so the job will not start again by "
+            "itself. Resubmit job.sh: it resumes from the checkpoint."
+        )
 
 
 class RegressionDataset(Dataset):

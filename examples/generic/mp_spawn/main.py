@@ -8,6 +8,7 @@ on the machine it runs on: for several nodes, use srun or torchrun (see the laun
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import socket
 from pathlib import Path
@@ -81,6 +82,12 @@ def train(rank: int, world_size: int, args):
         transform = transforms.Compose([transforms.ToTensor(), AUGMENT])
         dataset = CIFAR10(args.data_dir, train=True, transform=transform)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)
+    # DataLoader workers start from a fork server, a clean process, rather than by fork() of
+    # this one. The process group's threads enter Python briefly now and then; on Python up to
+    # 3.11.9, a fork at such a moment leaves the worker deadlocked before it starts. (It is
+    # Python 3.14's default.) The server imports torch once, and its workers start at once.
+    multiprocessing.set_start_method("forkserver", force=True)
+    multiprocessing.set_forkserver_preload(["torch", "torchvision"])
     workers = int(os.environ.get("SLURM_CPUS_PER_TASK", os.cpu_count())) // world_size
     loader = DataLoader(
         dataset, batch_size=args.batch_size, sampler=sampler, num_workers=workers, pin_memory=True

@@ -10,6 +10,7 @@ import argparse
 import gc
 import json
 import logging
+import multiprocessing
 import os
 import socket
 from pathlib import Path
@@ -70,6 +71,12 @@ def main():
     # Exact validation: each process takes every world_size-th image, with no padding, so that
     # every image counts once. DistributedSampler would repeat some to even out the shards.
     valid_shard = Subset(valid_dataset, range(rank, len(valid_dataset), world_size))
+    # DataLoader workers start from a fork server, a clean process, rather than by fork() of
+    # this one. The process group's threads enter Python briefly now and then; on Python up to
+    # 3.11.9, a fork at such a moment leaves the worker deadlocked before it starts. (It is
+    # Python 3.14's default.) The server imports torch once, and its workers start at once.
+    multiprocessing.set_start_method("forkserver", force=True)
+    multiprocessing.set_forkserver_preload(["torch", "torchvision"])
     num_workers = args.num_workers if args.num_workers is not None else get_num_workers()
     train_dataloader = DataLoader(
         train_dataset,

@@ -8,7 +8,9 @@ Over multi_node:
   through an epoch if need be;
 - on SIGUSR1, which job.sh asks Slurm to send before the time limit, or SIGTERM (preemption,
   `scancel`, `scontrol requeue`), all ranks stop at the same step and rank 0 saves. After
-  SIGUSR1, rank 0 also puts the job back in the queue.
+  SIGUSR1, rank 0 also puts the job back in the queue;
+- the DataLoader workers' fork server starts with both signals blocked, so that Slurm's signals
+  do not kill the workers, and reach the training processes alone.
 
 Try the job before staging any data with `sbatch job.sh --synthetic-data --max-steps 50`.
 """
@@ -18,6 +20,9 @@ import gc
 import itertools
 import json
 import logging
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import socket
@@ -134,6 +139,13 @@ def main():
     # Validation must not count padded samples twice: each process takes every world_size-th
     # sample, with no padding. The shards may differ in size by one, which validation allows.
     valid_shard = Subset(valid_dataset, range(rank, len(valid_dataset), world_size))
+    # DataLoader workers start from a fork server, a clean process, rather than by fork() of
+    # this one. The process group's threads enter Python briefly now and then; on Python up to
+    # 3.11.9, a fork at such a moment leaves the worker deadlocked before it starts. (It is
+    # Python 3.14's default.) The server imports torch once, and its workers start at once.
+    multiprocessing.set_start_method("forkserver", force=True)
+    multiprocessing.set_forkserver_preload(["torch", "torchvision"])
+    start_fork_server()
     num_workers = get_num_workers()
     # A DataLoader draws a seed for its workers at the start of every epoch. From a generator
     # of its own, not torch's global one, it leaves the global random state to training, so
@@ -145,14 +157,12 @@ def main():
         num_workers=num_workers,
         sampler=train_sampler,
         generator=loader_generator,
-        worker_init_fn=leave_signals_to_main_process,
     )
     valid_dataloader = DataLoader(
         valid_shard,
         batch_size=args.batch_size,
         num_workers=num_workers,
         shuffle=False,
-        worker_init_fn=leave_signals_to_main_process,
     )
     if is_master:
         logger.info(f"Effective batch size: {args.batch_size * world_size}")
@@ -292,14 +302,24 @@ def setup():
     return rank, local_rank, world_size
 
 
-def leave_signals_to_main_process(worker_id: int):
-    """Makes a DataLoader worker ignore the stop signals, which Slurm sends to it too.
+def start_fork_server():
+    """Starts the process that DataLoader workers are forked from, with the stop signals blocked.
 
-    Slurm signals every process of a job step. A worker's default, dying of SIGTERM, would make
-    the main process fail at once ("DataLoader worker is killed by signal"), checkpoint or not.
+    Slurm signals every process of a job step, and a worker that died of SIGTERM or SIGUSR1
+    would fail this process at its next batch, before it could save. Blocked signals stay
+    blocked in the fork server and in every worker it forks, so that only this process acts on
+    them. Here they only wait the few milliseconds that starting the server takes.
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    stop_signals = {signal.SIGTERM, signal.SIGUSR1}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    try:
+        # The fork server needs multiprocessing's resource tracker, whose start unblocks
+        # SIGTERM again: start the tracker first, then block once more.
+        multiprocessing.resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
 
 
 def agree_to_stop(device: torch.device) -> int:
@@ -362,7 +382,14 @@ def requeue():
     """Puts this job back in the queue: Slurm ends it now and starts it again later."""
     job_id = os.environ["SLURM_JOB_ID"]
     logging.getLogger(__name__).info(f"Requeueing job {job_id}")
-    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
+    result = subprocess.run(["scontrol", "requeue", job_id])
+    # The requeue ends every process of the job, scontrol included: its SIGTERM means success.
+    if result.returncode not in (0, -signal.SIGTERM):
+        raise SystemExit(
+            f"error: `scontrol requeue {job_id}` failed, so the job will not start again by "
+            "itself. Resubmit job.sh: it resumes from the checkpoint."
+        )
 
 
 def reduce_train_metrics(loss: Tensor, logits: Tensor, y: Tensor):

@@ -11,6 +11,7 @@ import argparse
 import gc
 import json
 import logging
+import multiprocessing
 import os
 import socket
 from pathlib import Path
@@ -95,6 +96,12 @@ def main():
     # Validation must not count padded samples twice: each process takes every world_size-th
     # sample, with no padding. The shards may differ in size by one, which validation allows.
     valid_shard = Subset(valid_dataset, range(rank, len(valid_dataset), world_size))
+    # DataLoader workers start from a fork server, a clean process, rather than by fork() of
+    # this one. The process group's threads enter Python briefly now and then; on Python up to
+    # 3.11.9, a fork at such a moment leaves the worker deadlocked before it starts. (It is
+    # Python 3.14's default.) The server imports torch once, and its workers start at once.
+    multiprocessing.set_start_method("forkserver", force=True)
+    multiprocessing.set_forkserver_preload(["torch", "torchvision"])
     num_workers = get_num_workers()
     train_dataloader = DataLoader(
         train_dataset, batch_size=args.batch_size, num_workers=num_workers, sampler=train_sampler
