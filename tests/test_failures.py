@@ -25,6 +25,12 @@ FAIL_FAST = 60  # seconds: the longest a failing job may take to end, from submi
 # A long enough run of the generic checkpointing example to interrupt it three times: 8 epochs
 # of 512 steps per rank, about 2 s each on this cluster.
 LONG_RUN = ("--epochs", "8", "--dataset-size", "16384", "--batch-size", "8")
+# The same with one task per node: 2 ranks, whose gradient sums do not depend on their order.
+# With 3 or more, DDP's first step after every restart adds them up in another order, so a
+# resumed run may differ from an uninterrupted one in the last bits (see the troubleshooting
+# page, and test_concepts.py).
+EXACT_RUN = ("--epochs", "8", "--dataset-size", "8192", "--batch-size", "8")
+ONE_TASK_PER_NODE = ["--ntasks-per-node=1"]
 
 
 def submit(lab: Lab, name: str, *args: str, workdir: Path, options=()) -> str:
@@ -87,15 +93,16 @@ def restart_when_requeued(lab: Lab, job: str, restarts: int):
 
 def test_a_preempted_job_resumes_exactly(lab, tmp_path):
     name = "generic/checkpointing"
-    plain = submit(lab, name, *LONG_RUN, workdir=tmp_path / "plain")
-    job = submit(lab, name, *LONG_RUN, workdir=tmp_path / "preempted")
+    options = ONE_TASK_PER_NODE
+    plain = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "plain", options=options)
+    job = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "preempted", options=options)
     output = tmp_path / "preempted" / f"slurm-{job}.out"
 
     def requeue():  # what preemption does: SIGTERM to every process of the job, then requeue
         subprocess.run(["scontrol", "requeue", job], env=lab.env(), check=True)
 
     def warn_one_rank():  # one rank noticing must be enough for all of them to stop
-        os.kill(wait_until(lambda: find_rank(job, 2), 30, "rank 2"), signal.SIGUSR1)
+        os.kill(wait_until(lambda: find_rank(job, 1), 30, "rank 1"), signal.SIGUSR1)
 
     def warn_all():  # what --signal=USR1@120 does before the time limit
         subprocess.run(["scancel", "--signal=USR1", job], env=lab.env(), check=True)
@@ -118,10 +125,10 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path):
     assert preempted.ok, preempted.output
 
     # Each interruption stopped every rank at one step, and the next run resumed from there.
-    stops = re.findall(r"\[(\d)/4\] Stopped at step (\d+), checkpoint saved", preempted.output)
+    stops = re.findall(r"\[(\d)/2\] Stopped at step (\d+), checkpoint saved", preempted.output)
     resumes = re.findall(r"Resumed from \S+ at step (\d+)", preempted.output)
     steps = sorted({int(step) for _, step in stops})
-    assert len(stops) == 3 * 4 and len(steps) == 3, preempted.output
+    assert len(stops) == 3 * 2 and len(steps) == 3, preempted.output
     assert [int(step) for step in resumes] == steps, preempted.output
     assert preempted.output.count("Requeueing job") == 2, preempted.output
 
@@ -129,8 +136,8 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path):
     # run that was never interrupted; the summaries differ only in the restart count.
     assert_bitwise_equal(checkpoint_of(lab, job), checkpoint_of(lab, plain))
     mine, theirs = parse_summaries(preempted.output), parse_summaries(uninterrupted.output)
-    assert [s.pop("restarts") for s in mine] == [3] * 4
-    assert [s.pop("restarts") for s in theirs] == [0] * 4
+    assert [s.pop("restarts") for s in mine] == [3] * 2
+    assert [s.pop("restarts") for s in theirs] == [0] * 2
     assert numbers(mine) == numbers(theirs)
     print(f"preempted at steps {steps} of {mine[0]['steps']}: final state bitwise equal")
 
@@ -140,7 +147,7 @@ def test_a_preempted_mila_job_resumes_exactly(lab, tmp_path):
     # SIGTERM and fail their rank before it saves. 2 nodes x 1 task, to keep it short.
     name = "mila/checkpointing"
     args = ("--synthetic-data", "--synthetic-size", "600", "--batch-size", "16", "--epochs", "2")
-    options = ["--ntasks-per-node=1"]
+    options = ONE_TASK_PER_NODE
     plain = submit(lab, name, *args, workdir=tmp_path / "plain", options=options)
     job = submit(lab, name, *args, workdir=tmp_path / "preempted", options=options)
     output = tmp_path / "preempted" / f"slurm-{job}.out"
