@@ -5,6 +5,7 @@ stop after the same step, and a second run resumes from the checkpoint. The Slur
 (test_failures.py) do the same through real requeues.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -48,6 +49,12 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def signal_if_alive(pid: int, signum: int):
+    # A worker may end between the scan of /proc and the signal.
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
+
+
 def wait_for_training(name: str, logs: list[Path]):
     deadline = time.monotonic() + 120
     while TRAINING[name] not in logs[0].read_text() and time.monotonic() < deadline:
@@ -65,7 +72,7 @@ def stop_one_rank(name: str):
     def interrupt(procs, logs: list[Path]):
         wait_for_training(name, logs)
         for pid in [procs[1].pid, *descendants(procs[1].pid)]:
-            os.kill(pid, signal.SIGTERM)
+            signal_if_alive(pid, signal.SIGTERM)
 
     return interrupt
 
@@ -100,17 +107,20 @@ def test_dataloader_workers_leave_the_stop_signals_to_their_rank():
 
     def signal_workers(procs, logs: list[Path]):
         wait_for_training(name, logs)
+        # The fork server, its resource tracker, and the first worker, once it has started.
+        deadline = time.monotonic() + 60
+        while len(descendants(procs[1].pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
         signalled.extend(descendants(procs[1].pid))
         for pid in signalled:
-            os.kill(pid, signal.SIGTERM)
-            os.kill(pid, signal.SIGUSR1)
+            signal_if_alive(pid, signal.SIGTERM)
+            signal_if_alive(pid, signal.SIGUSR1)
 
     with tempfile.TemporaryDirectory() as checkpoints:
         run = run_example(
             name, EXAMPLES[name], ARGS[name], env={"CHECKPOINT_DIR": checkpoints},
             while_running=signal_workers,
         )  # fmt: skip
-    # The fork server, its resource tracker and at least one worker were signalled.
     assert len(signalled) >= 3, signalled
     assert run.ok, run.output
     assert "Stopped at step" not in run.output
