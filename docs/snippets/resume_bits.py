@@ -14,6 +14,7 @@ find_unused_parameters=True keeps the first order for good, at the cost of a gra
 per step, so every restart sums exactly as the uninterrupted run does.
 """
 
+import gc
 import json
 
 import torch
@@ -70,6 +71,9 @@ def main():
     }
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)
+    # The DDP objects sit in reference cycles that keep the process group alive. Collected at
+    # the interpreter's exit instead, after the group, gloo's threads can abort the process.
+    gc.collect()
     dist.destroy_process_group()
 
 
