@@ -248,7 +248,7 @@ def test_resuming_with_another_task_count_fails_fast(lab, tmp_path):
     # The same checkpoints, with 2 tasks instead of 4.
     job_id = submit(
         lab, name, "--checkpoint-dir", str(checkpoints), workdir=tmp_path,
-        options=["--ntasks-per-node=1"],
+        options=ONE_TASK_PER_NODE,
     )  # fmt: skip
     job = timed_job(lab, job_id, tmp_path, "resume with 2 tasks from 4")
     assert "was written by 4 processes, and this job has 2" in job.output

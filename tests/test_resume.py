@@ -9,7 +9,6 @@ import contextlib
 import os
 import re
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -98,7 +97,7 @@ def test_a_stopped_run_resumes_exactly(tmp_path, name):
     assert_bitwise_equal(load("stopped"), load("plain"))
 
 
-def test_dataloader_workers_leave_the_stop_signals_to_their_rank():
+def test_dataloader_workers_leave_the_stop_signals_to_their_rank(tmp_path):
     # Slurm's SIGTERM and SIGUSR1 reach the fork server and the workers too. If they died of
     # them, their rank would fail as it waited for its next batch, before it could save. Here
     # only the processes under rank 1 are signalled, so training must go on to the end.
@@ -116,11 +115,10 @@ def test_dataloader_workers_leave_the_stop_signals_to_their_rank():
             signal_if_alive(pid, signal.SIGTERM)
             signal_if_alive(pid, signal.SIGUSR1)
 
-    with tempfile.TemporaryDirectory() as checkpoints:
-        run = run_example(
-            name, EXAMPLES[name], ARGS[name], env={"CHECKPOINT_DIR": checkpoints},
-            while_running=signal_workers,
-        )  # fmt: skip
+    run = run_example(
+        name, EXAMPLES[name], ARGS[name], env={"CHECKPOINT_DIR": str(tmp_path)},
+        while_running=signal_workers,
+    )  # fmt: skip
     assert len(signalled) >= 3, signalled
     assert run.ok, run.output
     assert "Stopped at step" not in run.output
