@@ -146,7 +146,7 @@ class Lab:
         host = socket.gethostname()
         node_lines = "\n".join(
             f"NodeName={name} NodeAddr={addr} CPUs=32 RealMemory=256000 "
-            "Gres=gpu:rtx8000:4,gpu:v100:4 Feature=rtx8000,v100 State=UNKNOWN"
+            "Gres=gpu:rtx8000:4,gpu:a100:4 Feature=rtx8000,a100 State=UNKNOWN"
             for name, addr in NODES.items()
         )
         (s / "slurm.conf").write_text(
@@ -189,7 +189,7 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         (s / "gres.conf").write_text(
             "AutoDetect=off\n"
             f"Name=gpu Type=rtx8000 File={s}/gpus/nvidia[0-3]\n"
-            f"Name=gpu Type=v100 File={s}/gpus/nvidia[4-7]\n"
+            f"Name=gpu Type=a100 File={s}/gpus/nvidia[4-7]\n"
         )
 
     def _make_site_data(self) -> None:

@@ -41,7 +41,8 @@ MILA_SMOKE_ARGS = (
 MILA_VAL_SAMPLES = 25
 # The Ibex examples read a generated TinyImageNet (tinyimagenet.py) of 5 classes x 5 validation
 # images; these arguments just keep the run short.
-IBEX_SMOKE_ARGS = ("--epochs", "1", "--max-steps", "3", "--batch-size", "8")
+# One worker per process, which 2 processes per task would not get from 2 CPUs.
+IBEX_SMOKE_ARGS = ("--epochs", "1", "--max-steps", "3", "--batch-size", "8", "--num-workers", "1")
 IBEX_VAL_SAMPLES = 25
 # The generic examples: a few epochs of a tiny regression, or a few steps of ResNet-50.
 GENERIC_SMOKE_ARGS = ("--epochs", "3", "--dataset-size", "256")
@@ -153,6 +154,8 @@ def base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     # Two processes with a thread per core each made training steps 8x slower on 2 cores.
     env["OMP_NUM_THREADS"] = "1"
+    # CPUs and gloo even where there are GPUs: smoke mode asks for it, as a CPU job would.
+    env["TRAIN_ON_CPU"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -177,7 +180,8 @@ def srun_env(rank: int, launch: Launch, tmpdir: Path, port: int) -> dict[str, st
         "SLURM_LOCALID": str(rank % launch.tasks_per_node),
         "SLURM_NODEID": str(node),
         "SLURMD_NODENAME": nodes[node],
-        "SLURM_CPUS_PER_TASK": "1",
+        # Two CPUs a task: one for the process and one for a DataLoader worker.
+        "SLURM_CPUS_PER_TASK": "2",
         # Each node has its own $SLURM_TMPDIR, as on Mila.
         "SLURM_TMPDIR": str(tmpdir / nodes[node]),
         "MASTER_ADDR": "127.0.0.1",
@@ -236,7 +240,7 @@ def run_example(
             proc_env = base_env()
             proc_env.update(data_env)
             if launch.launcher == "python":
-                proc_env.update(SLURM_TMPDIR=str(tmpdir / "node1"), SLURM_CPUS_PER_TASK="1")
+                proc_env.update(SLURM_TMPDIR=str(tmpdir / "node1"), SLURM_CPUS_PER_TASK="2")
             else:
                 proc_env.update(srun_env(task, launch, tmpdir, port))
             proc_env.update(env or {})

@@ -46,3 +46,8 @@ lab_conda() {
     fi
     export PATH="$LAB_PYTHON_BIN:$PATH" CONDA_DEFAULT_ENV="$2"
 }
+
+# The nodes' GPUs are stand-ins that CUDA cannot use, and a job given GPUs that CUDA cannot use
+# stops at once: ask for CPU training on purpose, as a user without GPUs would. A test that
+# checks the stop sets TRAIN_ON_CPU to an empty value when it submits.
+export TRAIN_ON_CPU=${TRAIN_ON_CPU-1}

@@ -4,12 +4,18 @@
 #SBATCH --ntasks-per-node=2
 #SBATCH --gpus-per-node=2
 #SBATCH --cpus-per-task=4
+#SBATCH --mem=16G
 #SBATCH --time=00:10:00
 
 # Stop at the first failing command.
 set -e
 
 # --- Site-specific: make torch importable (a module, a conda or a virtual environment) ----
+# This is a virtual environment; create it once, on a login node:
+#   python3 -m venv ~/venvs/ddp
+#   ~/venvs/ddp/bin/pip install torch==2.14.1 torchvision==0.29.1
+# That torch is built for CUDA 13.0: it needs NVIDIA driver 580 or newer, and GPUs of
+# compute capability 7.5 (Turing) or newer.
 # shellcheck source=/dev/null
 source "$HOME/venvs/ddp/bin/activate"
 

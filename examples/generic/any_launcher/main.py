@@ -29,11 +29,7 @@ def main():
     args = parser.parse_args()
 
     local_rank, rank, world_size = setup()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = get_device(local_rank)
     print(f"[{rank}/{world_size}] Running on {socket.gethostname()}, device {device}", flush=True)
 
     dataset = RegressionDataset(args.dataset_size)
@@ -61,7 +57,7 @@ def main():
 def setup():
     """Joins the process group, whoever started this process; returns its place."""
     rank, local_rank, world_size, launcher = find_place()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if use_gpus() else "gloo"
     if launcher == "single process":
         # No other process to meet: an in-memory store instead of an address and a port.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -72,6 +68,50 @@ def setup():
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     print(f"[{rank}/{world_size}] started by {launcher}", flush=True)
     return local_rank, rank, world_size
+
+
+def use_gpus() -> bool:
+    """True to train on GPUs with NCCL, False to train on CPUs with gloo.
+
+    A task that Slurm gave GPUs must use them: when CUDA does not work there, stop at once rather
+    than train on CPUs for hours. TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
+    """
+    if os.environ.get("TRAIN_ON_CPU") == "1":
+        return False
+    if torch.cuda.is_available():
+        return True
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus not in ("", "0") or visible not in ("", "-1", "NoDevFiles"):
+        raise SystemExit(
+            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, CUDA_VISIBLE_DEVICES="
+            f"{visible}), but torch {torch.__version__} cannot use them. Likely causes: a torch "
+            "build without CUDA; an NVIDIA driver older than the build needs (compare `nvidia-smi` "
+            f"with CUDA {torch.version.cuda}); a container started without its GPUs (apptainer "
+            "--nv). To train on CPUs anyway, set TRAIN_ON_CPU=1."
+        )
+    return False
+
+
+def get_device(local_rank: int) -> torch.device:
+    """This process's GPU, made its current device; or the CPU when not training on GPUs.
+
+    Slurm may show a task every GPU of its node, or only its own (--gpus-per-task, --gpu-bind, a
+    MIG slice). One rule fits both: a process that sees one GPU takes it, and a process that sees
+    several takes the one at its local rank, its place among the processes of its node.
+    """
+    if not use_gpus():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    index = 0 if visible == 1 else local_rank
+    if index >= visible:
+        raise SystemExit(
+            f"error: the process of local rank {local_rank} sees {visible} GPUs, none of them its "
+            "own. Ask for a GPU per process: as many GPUs per node as processes per node."
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
 
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")

@@ -54,6 +54,12 @@ def main():
         help="shared storage that outlives the job (default: $CHECKPOINT_DIR, set by job.sh)",
     )
     parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=20,
+        help="requeue the job at most this often: a guard against a job that loops",
+    )
+    parser.add_argument(
         "--rendezvous-timeout",
         type=float,
         default=120,
@@ -62,11 +68,7 @@ def main():
     args = parser.parse_args()
 
     local_rank, rank, world_size = setup(args.rendezvous_timeout)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = get_device(local_rank)
     print(f"[{rank}/{world_size}] Running on {socket.gethostname()}, device {device}", flush=True)
 
     dataset = RegressionDataset(args.dataset_size)
@@ -83,6 +85,7 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     trainer = Trainer(model, dataloader, optimizer, device, args.checkpoint_dir / "checkpoint.pt")
     trainer.resume()
+    steps_at_start = trainer.step
     # From here on there is progress to lose: on either signal, stop after the current step and
     # save. Until now, Python's default, to end at once, lost nothing, and it also ends a process
     # stuck in the rendezvous, which a handler could not interrupt.
@@ -94,7 +97,7 @@ def main():
         # SIGUSR1 warns of the time limit, at which the job would end for good: requeue it.
         # After SIGTERM, Slurm is ending the job already, and requeues it if it preempted it.
         if stopped_by == signal.SIGUSR1 and rank == 0:
-            requeue()
+            requeue(args.max_restarts, trainer.step - steps_at_start)
         return
 
     summary = {
@@ -147,9 +150,53 @@ def setup(rendezvous_timeout: float):
             "that its task started, and that MASTER_ADDR names it.\n"
             f"({type(error).__name__}: {str(error).splitlines()[0]})"
         ) from None
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if use_gpus() else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     return local_rank, rank, world_size
+
+
+def use_gpus() -> bool:
+    """True to train on GPUs with NCCL, False to train on CPUs with gloo.
+
+    A task that Slurm gave GPUs must use them: when CUDA does not work there, stop at once rather
+    than train on CPUs for hours. TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
+    """
+    if os.environ.get("TRAIN_ON_CPU") == "1":
+        return False
+    if torch.cuda.is_available():
+        return True
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus not in ("", "0") or visible not in ("", "-1", "NoDevFiles"):
+        raise SystemExit(
+            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, CUDA_VISIBLE_DEVICES="
+            f"{visible}), but torch {torch.__version__} cannot use them. Likely causes: a torch "
+            "build without CUDA; an NVIDIA driver older than the build needs (compare `nvidia-smi` "
+            f"with CUDA {torch.version.cuda}); a container started without its GPUs (apptainer "
+            "--nv). To train on CPUs anyway, set TRAIN_ON_CPU=1."
+        )
+    return False
+
+
+def get_device(local_rank: int) -> torch.device:
+    """This process's GPU, made its current device; or the CPU when not training on GPUs.
+
+    Slurm may show a task every GPU of its node, or only its own (--gpus-per-task, --gpu-bind, a
+    MIG slice). One rule fits both: a process that sees one GPU takes it, and a process that sees
+    several takes the one at its local rank, its place among the processes of its node.
+    """
+    if not use_gpus():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    index = 0 if visible == 1 else local_rank
+    if index >= visible:
+        raise SystemExit(
+            f"error: the process of local rank {local_rank} sees {visible} GPUs, none of them its "
+            "own. Ask for a GPU per process: as many GPUs per node as processes per node."
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
 
 
 class ResumableSampler(DistributedSampler):
@@ -255,7 +302,9 @@ class Trainer:
         while self.epoch < max_epochs:
             sampler.set_epoch(self.epoch)
             # Like set_epoch: the same worker seeds for an epoch, however often the job restarted.
-            self.dataloader.generator.manual_seed(self.epoch)
+            # Each process has its own, so that random augmentations differ between processes.
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+            self.dataloader.generator.manual_seed(self.epoch * world_size + rank)
             # A resumed epoch skips the batches its interrupted run already trained on.
             sampler.skip = self.epoch_step * self.dataloader.batch_size
             for x, y in self.dataloader:
@@ -293,11 +342,33 @@ def save_atomically(state: dict, path: Path):
         os.fsync(f.fileno())
     # A rename within one folder replaces the old file in one step.
     os.replace(tmp, path)
+    # The rename is a change to the folder: on disk too, or a crash can undo it.
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def requeue():
-    """Puts this job back in the queue: Slurm ends it now and starts it again later."""
+def requeue(max_restarts: int, steps_done: int):
+    """Puts this job back in the queue: Slurm ends it now and starts it again later.
+
+    Refuses when the job would loop: when this run trained no step, or after `max_restarts`.
+    """
     job_id = os.environ["SLURM_JOB_ID"]
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
+    if steps_done == 0:
+        raise SystemExit(
+            f"error: job {job_id} is not requeued: this run was told to stop before it trained a "
+            "step, and so would every run after it. Ask for a longer --time than the --signal "
+            f"warning, then {resubmit[0].lower()}{resubmit[1:]}"
+        )
+    if restarts >= max_restarts:
+        raise SystemExit(
+            f"error: job {job_id} is not requeued: it has started {restarts + 1} times, and "
+            f"--max-restarts is {max_restarts}. {resubmit}"
+        )
     print(f"Requeueing job {job_id}", flush=True)
     # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
     result = subprocess.run(["scontrol", "requeue", job_id])
@@ -305,7 +376,7 @@ def requeue():
     if result.returncode not in (0, -signal.SIGTERM):
         raise SystemExit(
             f"error: `scontrol requeue {job_id}` failed, so the job will not start again by "
-            "itself. Resubmit job.sh: it resumes from the checkpoint."
+            f"itself. {resubmit}"
         )
 
 

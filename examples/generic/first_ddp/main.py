@@ -28,11 +28,7 @@ def main():
     args = parser.parse_args()
 
     local_rank, rank, world_size = setup()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = get_device(local_rank)
     print(f"[{rank}/{world_size}] Running on {socket.gethostname()}, device {device}", flush=True)
 
     dataset = RegressionDataset(args.dataset_size)
@@ -61,8 +57,52 @@ def setup():
     if "LOCAL_RANK" not in os.environ:
         raise SystemExit("error: LOCAL_RANK is not set: start this script with torchrun.")
     # torchrun exported RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: the defaults read them.
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group("nccl" if use_gpus() else "gloo")
     return int(os.environ["LOCAL_RANK"]), dist.get_rank(), dist.get_world_size()
+
+
+def use_gpus() -> bool:
+    """True to train on GPUs with NCCL, False to train on CPUs with gloo.
+
+    A task that Slurm gave GPUs must use them: when CUDA does not work there, stop at once rather
+    than train on CPUs for hours. TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
+    """
+    if os.environ.get("TRAIN_ON_CPU") == "1":
+        return False
+    if torch.cuda.is_available():
+        return True
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus not in ("", "0") or visible not in ("", "-1", "NoDevFiles"):
+        raise SystemExit(
+            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, CUDA_VISIBLE_DEVICES="
+            f"{visible}), but torch {torch.__version__} cannot use them. Likely causes: a torch "
+            "build without CUDA; an NVIDIA driver older than the build needs (compare `nvidia-smi` "
+            f"with CUDA {torch.version.cuda}); a container started without its GPUs (apptainer "
+            "--nv). To train on CPUs anyway, set TRAIN_ON_CPU=1."
+        )
+    return False
+
+
+def get_device(local_rank: int) -> torch.device:
+    """This process's GPU, made its current device; or the CPU when not training on GPUs.
+
+    Slurm may show a task every GPU of its node, or only its own (--gpus-per-task, --gpu-bind, a
+    MIG slice). One rule fits both: a process that sees one GPU takes it, and a process that sees
+    several takes the one at its local rank, its place among the processes of its node.
+    """
+    if not use_gpus():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    index = 0 if visible == 1 else local_rank
+    if index >= visible:
+        raise SystemExit(
+            f"error: the process of local rank {local_rank} sees {visible} GPUs, none of them its "
+            "own. Ask for a GPU per process: as many GPUs per node as processes per node."
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
 
 
 class Trainer:

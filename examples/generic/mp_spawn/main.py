@@ -58,22 +58,21 @@ def main():
     if not args.synthetic_data:
         check_dataset(args.data_dir)
 
-    # All processes run on this machine: they meet on the loopback address, at a port that is
-    # free now. Set here, before spawning, the variables reach every child process.
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
+    # All processes run on this machine: they meet at a store that this process serves on the
+    # loopback address. Port 0 lets the kernel pick a free port as the store binds it, and this
+    # process holds it until the end: no other job can take it between the choice and the use.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     # mp.spawn calls train(rank, *args) in each new process. If one raises, spawn stops the
     # others and raises here, so a failure ends the job instead of hanging it.
-    mp.spawn(train, args=(args.nprocs, args), nprocs=args.nprocs, join=True)
+    mp.spawn(train, args=(args.nprocs, store.port, args), nprocs=args.nprocs, join=True)
 
 
-def train(rank: int, world_size: int, args):
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+def train(rank: int, world_size: int, port: int, args):
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    backend = "nccl" if use_gpus() else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     # On one node, the rank is also the local rank: it picks the GPU.
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = get_device(rank)
     print(f"[{rank}/{world_size}] Running on {socket.gethostname()}, device {device}", flush=True)
 
     if args.synthetic_data:
@@ -88,9 +87,15 @@ def train(rank: int, world_size: int, args):
     # Python 3.14's default.) The server imports torch once, and its workers start at once.
     multiprocessing.set_start_method("forkserver", force=True)
     multiprocessing.set_forkserver_preload(["torch", "torchvision"])
-    workers = int(os.environ.get("SLURM_CPUS_PER_TASK", os.cpu_count())) // world_size
+    # Each process seeds its own workers: with the same seed everywhere, the random crops and
+    # flips of every process would follow the same sequence.
     loader = DataLoader(
-        dataset, batch_size=args.batch_size, sampler=sampler, num_workers=workers, pin_memory=True
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=get_num_workers(world_size),
+        pin_memory=device.type == "cuda",
+        generator=torch.Generator().manual_seed(rank),
     )
 
     torch.manual_seed(0)
@@ -165,11 +170,58 @@ def check_dataset(data_dir: Path):
         )
 
 
-def free_port() -> int:
-    """A TCP port that no process on this machine listens on, as the kernel picks it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def use_gpus() -> bool:
+    """True to train on GPUs with NCCL, False to train on CPUs with gloo.
+
+    A task that Slurm gave GPUs must use them: when CUDA does not work there, stop at once rather
+    than train on CPUs for hours. TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
+    """
+    if os.environ.get("TRAIN_ON_CPU") == "1":
+        return False
+    if torch.cuda.is_available():
+        return True
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus not in ("", "0") or visible not in ("", "-1", "NoDevFiles"):
+        raise SystemExit(
+            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, CUDA_VISIBLE_DEVICES="
+            f"{visible}), but torch {torch.__version__} cannot use them. Likely causes: a torch "
+            "build without CUDA; an NVIDIA driver older than the build needs (compare `nvidia-smi` "
+            f"with CUDA {torch.version.cuda}); a container started without its GPUs (apptainer "
+            "--nv). To train on CPUs anyway, set TRAIN_ON_CPU=1."
+        )
+    return False
+
+
+def get_device(local_rank: int) -> torch.device:
+    """This process's GPU, made its current device; or the CPU when not training on GPUs.
+
+    Slurm may show a task every GPU of its node, or only its own (--gpus-per-task, --gpu-bind, a
+    MIG slice). One rule fits both: a process that sees one GPU takes it, and a process that sees
+    several takes the one at its local rank, its place among the processes of its node.
+    """
+    if not use_gpus():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    index = 0 if visible == 1 else local_rank
+    if index >= visible:
+        raise SystemExit(
+            f"error: the process of local rank {local_rank} sees {visible} GPUs, none of them its "
+            "own. Ask for a GPU per process: as many GPUs per node as processes per node."
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def get_num_workers(processes: int) -> int:
+    """DataLoader workers: this process's share of the job's CPUs, less one for the process."""
+    # The CPUs that Slurm bound the job to. Where a site does not bind tasks to CPUs, that is the
+    # whole node: keep to what the job asked for as well.
+    cpus = len(os.sched_getaffinity(0))
+    if "SLURM_CPUS_PER_TASK" in os.environ:
+        cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    return max(cpus // processes - 1, 0)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus=4
 #SBATCH --gpus-per-node=2
-#SBATCH --constraint=v100
+#SBATCH --constraint=a100
 #SBATCH --cpus-per-task=16
+#SBATCH --mem=64G
 #SBATCH --time=00:10:00
 
 # Stop at the first failing command rather than train on a half-prepared job.
@@ -15,15 +16,22 @@ set -e
 scontrol show job "$SLURM_JOB_ID"
 
 # --- Ibex: software environment and data -------------------------------------------------
-# A conda environment in your own folder; create it once with the commands on the Ibex page.
+# A conda environment in your own folder; create it once, on a login node:
+#   conda create -y -n dist-pytorch python=3.11
+#   conda activate dist-pytorch
+#   pip install torch==2.14.1 torchvision==0.29.1
+# That torch is built for CUDA 13.0: it needs NVIDIA driver 580 or newer, and GPUs of
+# compute capability 7.5 or newer. Hence --constraint=a100: Ibex's V100 (7.0) and P100
+# (6.0) nodes cannot run it.
 # shellcheck source=/dev/null
 source "/ibex/user/$USER/miniconda3/bin/activate" dist-pytorch
 export DATA_DIR=/ibex/ai/reference/CV/tinyimagenet
 
-# NCCL_DEBUG=INFO logs the network and GPU links NCCL picks at start: the first thing to read
-# when multi-GPU training is slow or hangs. PYTHONFAULTHANDLER=1 prints each thread's Python
-# stack when a process crashes or is killed, so a hang that ends in a timeout shows where.
-export NCCL_DEBUG=INFO
+# NCCL_DEBUG=WARN logs NCCL's warnings and errors only. To debug a slow or hanging job, set
+# INFO: it logs the network and GPU links NCCL picks at start (the troubleshooting page
+# says which lines to read). PYTHONFAULTHANDLER=1 prints each thread's Python stack when a
+# process crashes or is killed, so a hang that ends in a timeout shows where.
+export NCCL_DEBUG=WARN
 export PYTHONFAULTHANDLER=1
 # The processes get their parallelism from DataLoader workers and the GPU; one OpenMP thread
 # each keeps them from crowding the task's CPUs.

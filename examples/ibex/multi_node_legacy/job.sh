@@ -4,8 +4,9 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus=4
 #SBATCH --gpus-per-node=2
-#SBATCH --constraint=v100
+#SBATCH --constraint=a100
 #SBATCH --cpus-per-task=16
+#SBATCH --mem=64G
 #SBATCH --time=00:10:00
 
 # The older way to launch, as earlier Ibex documentation showed it: kept to compare with
@@ -15,11 +16,12 @@ set -e
 scontrol show job "$SLURM_JOB_ID"
 
 # --- Ibex: software environment and data -------------------------------------------------
+# The environment of ../multi_node/job.sh, which says how to create it.
 # shellcheck source=/dev/null
 source "/ibex/user/$USER/miniconda3/bin/activate" dist-pytorch
 export DATA_DIR=/ibex/ai/reference/CV/tinyimagenet
 
-export NCCL_DEBUG=INFO
+export NCCL_DEBUG=WARN
 export PYTHONFAULTHANDLER=1
 export OMP_NUM_THREADS=1
 

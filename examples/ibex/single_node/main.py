@@ -57,11 +57,7 @@ def main():
 
     rank, local_rank, world_size = setup()
     is_master = rank == 0
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = get_device(local_rank)
     logging.basicConfig(level=logging.INFO, format=f"[{rank}/{world_size}] %(message)s")
     logger = logging.getLogger(__name__)
     logger.info(f"Running on {socket.gethostname()}, device {device}")
@@ -78,12 +74,15 @@ def main():
     multiprocessing.set_start_method("forkserver", force=True)
     multiprocessing.set_forkserver_preload(["torch", "torchvision"])
     num_workers = args.num_workers if args.num_workers is not None else get_num_workers()
+    # Each process seeds its own workers: with one seed everywhere, a random augmentation would
+    # draw the same numbers in every process.
     train_dataloader = DataLoader(
         train_dataset,
         batch_size=args.batch_size,
         sampler=train_sampler,
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
+        generator=torch.Generator().manual_seed(args.seed + rank),
     )
     valid_dataloader = DataLoader(valid_shard, batch_size=args.batch_size, num_workers=num_workers)
     if is_master:
@@ -157,8 +156,52 @@ def setup():
     world_size = int(os.environ["WORLD_SIZE"])
     # torchrun also set MASTER_ADDR and MASTER_PORT, which env:// reads. NCCL for GPUs, gloo
     # for CPUs.
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group("nccl" if use_gpus() else "gloo")
     return rank, local_rank, world_size
+
+
+def use_gpus() -> bool:
+    """True to train on GPUs with NCCL, False to train on CPUs with gloo.
+
+    A task that Slurm gave GPUs must use them: when CUDA does not work there, stop at once rather
+    than train on CPUs for hours. TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
+    """
+    if os.environ.get("TRAIN_ON_CPU") == "1":
+        return False
+    if torch.cuda.is_available():
+        return True
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus not in ("", "0") or visible not in ("", "-1", "NoDevFiles"):
+        raise SystemExit(
+            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, CUDA_VISIBLE_DEVICES="
+            f"{visible}), but torch {torch.__version__} cannot use them. Likely causes: a torch "
+            "build without CUDA; an NVIDIA driver older than the build needs (compare `nvidia-smi` "
+            f"with CUDA {torch.version.cuda}); a container started without its GPUs (apptainer "
+            "--nv). To train on CPUs anyway, set TRAIN_ON_CPU=1."
+        )
+    return False
+
+
+def get_device(local_rank: int) -> torch.device:
+    """This process's GPU, made its current device; or the CPU when not training on GPUs.
+
+    Slurm may show a task every GPU of its node, or only its own (--gpus-per-task, --gpu-bind, a
+    MIG slice). One rule fits both: a process that sees one GPU takes it, and a process that sees
+    several takes the one at its local rank, its place among the processes of its node.
+    """
+    if not use_gpus():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    index = 0 if visible == 1 else local_rank
+    if index >= visible:
+        raise SystemExit(
+            f"error: the process of local rank {local_rank} sees {visible} GPUs, none of them its "
+            "own. Ask for a GPU per process: as many GPUs per node as processes per node."
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
 
 
 def reduce_train_metrics(loss: Tensor, logits: Tensor, y: Tensor):
@@ -227,9 +270,14 @@ def make_datasets(data_dir: Path | None):
 
 
 def get_num_workers() -> int:
-    """The CPUs of this Slurm task, shared among the processes that torchrun started in it."""
-    cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", len(os.sched_getaffinity(0))))
-    return max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    """DataLoader workers: this process's share of its task's CPUs, less one for the process."""
+    # The CPUs that Slurm bound the task to. Where a site does not bind tasks to CPUs, that is the
+    # whole node: keep to what the job asked for as well.
+    cpus = len(os.sched_getaffinity(0))
+    if "SLURM_CPUS_PER_TASK" in os.environ:
+        cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    # torchrun's processes share their task's CPUs.
+    return max(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
 
 
 if __name__ == "__main__":

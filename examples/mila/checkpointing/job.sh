@@ -1,5 +1,5 @@
 #!/bin/bash
-#SBATCH --job-name=checkpointing
+#SBATCH --job-name=cifar10-resnet18
 #SBATCH --nodes=2
 #SBATCH --gpus-per-node=rtx8000:4
 #SBATCH --cpus-per-task=4
@@ -13,6 +13,11 @@
 #SBATCH --signal=USR1@120
 # Append, so that the log of every run of a requeued job stays in one file.
 #SBATCH --open-mode=append
+# The job name names the run: its checkpoints are kept under it, so that a job resubmitted with
+# the same name resumes, after a time limit, an scancel or a failed requeue. Start a new run
+# with another name: `sbatch --job-name=cifar10-resnet18-2 job.sh`. singleton: one job of a
+# name runs at a time, or two would write the same checkpoints.
+#SBATCH --dependency=singleton
 
 # Stop at the first failing command rather than train on a half-prepared job.
 set -e
@@ -27,13 +32,20 @@ echo "Start:    number $((${SLURM_RESTART_COUNT:-0} + 1)) of job $SLURM_JOB_ID"
 #   conda create -y -n pytorch python=3.11
 #   conda activate pytorch
 #   pip install torch==2.14.1 torchvision==0.29.1 rich tqdm
+# That torch is built for CUDA 13.0: it needs NVIDIA driver 580 or newer, and GPUs of
+# compute capability 7.5 or newer, such as the RTX 8000s asked for above.
 module --quiet purge
 module load anaconda/3
 conda activate pytorch
 
 # --- Mila: checkpoints go to $SCRATCH, which outlives the job and which every node sees ---
-# A requeued job keeps its ID, so it finds its own checkpoints here.
-export CHECKPOINT_DIR=$SCRATCH/checkpoints/$SLURM_JOB_ID
+checkpoints=${SCRATCH:?"is not set: set it, or this line, to shared storage that outlives jobs"}
+export CHECKPOINT_DIR=$checkpoints/checkpoints/$SLURM_JOB_NAME
+# Fail now rather than at the first save, an epoch into training.
+if ! mkdir -p "$CHECKPOINT_DIR" || [[ ! -w $CHECKPOINT_DIR ]]; then
+    echo "error: cannot write checkpoints to $CHECKPOINT_DIR" >&2
+    exit 1
+fi
 
 # Since Slurm 22.05, srun no longer inherits --cpus-per-task from the job: pass it on, or each
 # task gets one CPU for its DataLoader workers.

@@ -87,16 +87,17 @@ def main():
         default=Path(os.environ.get("CHECKPOINT_DIR", "checkpoints")),
         help="shared storage that outlives the job (default: $CHECKPOINT_DIR, set by job.sh)",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=20,
+        help="requeue the job at most this often: a guard against a job that loops",
+    )
     args = parser.parse_args()
 
     rank, local_rank, world_size = setup()
     is_master = rank == 0
-    # Whether a task sees only its own GPU or all of the node's, local_rank picks a distinct one.
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = get_device(local_rank)
 
     logging.basicConfig(
         level=logging.INFO,
@@ -164,6 +165,9 @@ def main():
         num_workers=num_workers,
         shuffle=False,
     )
+    # The full batches that every shard has: after each of them, all ranks can check together
+    # whether to stop.
+    stop_checks = len(valid_dataset) // world_size // args.batch_size
     if is_master:
         logger.info(f"Effective batch size: {args.batch_size * world_size}")
 
@@ -175,13 +179,16 @@ def main():
     step, epoch_step = progress["step"], progress["epoch_step"]
     first_loss, last_loss = progress["first_loss"], progress["last_loss"]
     val_loss, val_accuracy, val_samples = progress["val"]
+    steps_at_start = step
     for epoch in range(progress["epoch"], args.epochs):
-        if step == args.max_steps:
+        # Done, unless a stop cut the last epoch's validation short.
+        if step == args.max_steps and epoch_step == 0:
             break
         # Without set_epoch, the sampler would shuffle the data the same way in every epoch.
         train_sampler.set_epoch(epoch)
         # Like set_epoch: the same worker seeds for an epoch, however often the job restarted.
-        loader_generator.manual_seed(args.seed + epoch)
+        # Each process has its own, so that random augmentations differ between processes.
+        loader_generator.manual_seed((args.seed + epoch) * world_size + rank)
         # A resumed epoch skips the batches its interrupted run already trained on.
         train_sampler.skip = epoch_step * args.batch_size
         # train() matters for BatchNorm, which ResNet-18 uses: batch statistics while training.
@@ -189,7 +196,11 @@ def main():
         progress_bar = tqdm(
             total=len(train_dataloader), desc=f"Train epoch {epoch}", disable=not is_master
         )
+        signum = 0
         for x, y in train_dataloader:
+            # At max_steps, training is over: only this epoch's validation and checkpoint remain.
+            if step == args.max_steps:
+                break
             x, y = x.to(device), y.to(device)
             logits: Tensor = model(x)
             loss = F.cross_entropy(logits, y)
@@ -206,35 +217,41 @@ def main():
             step += 1
             epoch_step += 1
             signum = agree_to_stop(device)
-            # At max_steps the run is over anyway: finish it rather than save and stop.
-            if signum and step != args.max_steps:
-                progress_bar.close()
-                progress = {
-                    "epoch": epoch,
-                    "step": step,
-                    "epoch_step": epoch_step,
-                    "first_loss": first_loss,
-                    "last_loss": last_loss,
-                    "val": [val_loss, val_accuracy, val_samples],
-                }
-                save_checkpoint(checkpoint_path, model.module, optimizer, progress)
-                logger.info(f"Stopped at step {step}, checkpoint saved")
-                if signum == signal.SIGUSR1 and is_master:
-                    requeue()
-                return
-            if step == args.max_steps:
+            if signum:
                 break
         progress_bar.close()
 
-        val_loss, val_accuracy, val_samples = validation_loop(
-            model.module, valid_dataloader, device
-        )
-        # Every process holds the same numbers now; one line in the log is enough.
-        if is_master:
-            logger.info(
-                f"Epoch {epoch}: val loss {val_loss:.3f}, val accuracy {val_accuracy:.2%} "
-                f"on {val_samples} samples"
-            )
+        if not signum:
+            # Validation may outlast the time that Slurm gives between its signal and the end of
+            # the job: it looks for a stop signal after its batches too.
+            results = validation_loop(model.module, valid_dataloader, device, stop_checks)
+            if results is None:
+                signum = agree_to_stop(device)
+                logger.info(f"Validation of epoch {epoch} stopped: the next run does it again")
+            else:
+                val_loss, val_accuracy, val_samples = results
+                # Every process holds the same numbers now; one line in the log is enough.
+                if is_master:
+                    logger.info(
+                        f"Epoch {epoch}: val loss {val_loss:.3f}, val accuracy "
+                        f"{val_accuracy:.2%} on {val_samples} samples"
+                    )
+        if signum:
+            # The next run starts where this one stopped: after the epoch's last training step,
+            # before its validation, if that is where the stop came.
+            progress = {
+                "epoch": epoch,
+                "step": step,
+                "epoch_step": epoch_step,
+                "first_loss": first_loss,
+                "last_loss": last_loss,
+                "val": [val_loss, val_accuracy, val_samples],
+            }
+            save_checkpoint(checkpoint_path, model.module, optimizer, progress)
+            logger.info(f"Stopped at step {step}, checkpoint saved")
+            if signum == signal.SIGUSR1 and is_master:
+                requeue(args.max_restarts, step - steps_at_start)
+            return
         # The next run starts with the next epoch.
         epoch_step = 0
         progress = {
@@ -296,10 +313,54 @@ def setup():
                 "srun; export them too when you launch by hand."
             )
     # NCCL for GPUs; gloo runs the same program on CPUs.
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if use_gpus() else "gloo"
     # env:// reads MASTER_ADDR and MASTER_PORT, which job.sh exported for every task.
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
     return rank, local_rank, world_size
+
+
+def use_gpus() -> bool:
+    """True to train on GPUs with NCCL, False to train on CPUs with gloo.
+
+    A task that Slurm gave GPUs must use them: when CUDA does not work there, stop at once rather
+    than train on CPUs for hours. TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
+    """
+    if os.environ.get("TRAIN_ON_CPU") == "1":
+        return False
+    if torch.cuda.is_available():
+        return True
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus not in ("", "0") or visible not in ("", "-1", "NoDevFiles"):
+        raise SystemExit(
+            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, CUDA_VISIBLE_DEVICES="
+            f"{visible}), but torch {torch.__version__} cannot use them. Likely causes: a torch "
+            "build without CUDA; an NVIDIA driver older than the build needs (compare `nvidia-smi` "
+            f"with CUDA {torch.version.cuda}); a container started without its GPUs (apptainer "
+            "--nv). To train on CPUs anyway, set TRAIN_ON_CPU=1."
+        )
+    return False
+
+
+def get_device(local_rank: int) -> torch.device:
+    """This process's GPU, made its current device; or the CPU when not training on GPUs.
+
+    Slurm may show a task every GPU of its node, or only its own (--gpus-per-task, --gpu-bind, a
+    MIG slice). One rule fits both: a process that sees one GPU takes it, and a process that sees
+    several takes the one at its local rank, its place among the processes of its node.
+    """
+    if not use_gpus():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    index = 0 if visible == 1 else local_rank
+    if index >= visible:
+        raise SystemExit(
+            f"error: the process of local rank {local_rank} sees {visible} GPUs, none of them its "
+            "own. Ask for a GPU per process: as many GPUs per node as processes per node."
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
 
 
 def start_fork_server():
@@ -354,8 +415,19 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer, progress: dict):
         # A rename within one folder replaces the old file in one step: a reader finds the old
         # checkpoint or the new one, never a mix.
         os.replace(tmp, path)
+        # The rename is a change to the folder: on disk too, or a crash can undo it.
+        sync_folder(path.parent)
     # No rank goes on, or exits, before the file is complete.
     dist.barrier()
+
+
+def sync_folder(folder: Path):
+    """Writes a folder's entries, such as a rename in it, to disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer, rank: int, world_size: int):
@@ -378,9 +450,25 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer, rank: int, world_si
     return checkpoint["progress"]
 
 
-def requeue():
-    """Puts this job back in the queue: Slurm ends it now and starts it again later."""
+def requeue(max_restarts: int, steps_done: int):
+    """Puts this job back in the queue: Slurm ends it now and starts it again later.
+
+    Refuses when the job would loop: when this run trained no step, or after `max_restarts`.
+    """
     job_id = os.environ["SLURM_JOB_ID"]
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
+    if steps_done == 0:
+        raise SystemExit(
+            f"error: job {job_id} is not requeued: this run was told to stop before it trained a "
+            "step, and so would every run after it. Ask for a longer --time than the --signal "
+            f"warning, then {resubmit[0].lower()}{resubmit[1:]}"
+        )
+    if restarts >= max_restarts:
+        raise SystemExit(
+            f"error: job {job_id} is not requeued: it has started {restarts + 1} times, and "
+            f"--max-restarts is {max_restarts}. {resubmit}"
+        )
     logging.getLogger(__name__).info(f"Requeueing job {job_id}")
     # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
     result = subprocess.run(["scontrol", "requeue", job_id])
@@ -388,7 +476,7 @@ def requeue():
     if result.returncode not in (0, -signal.SIGTERM):
         raise SystemExit(
             f"error: `scontrol requeue {job_id}` failed, so the job will not start again by "
-            "itself. Resubmit job.sh: it resumes from the checkpoint."
+            f"itself. {resubmit}"
         )
 
 
@@ -405,8 +493,12 @@ def reduce_train_metrics(loss: Tensor, logits: Tensor, y: Tensor):
 
 
 @torch.no_grad()
-def validation_loop(model: nn.Module, dataloader: DataLoader, device: torch.device):
-    """Returns the mean loss and the accuracy over every validation sample, and their count."""
+def validation_loop(model: nn.Module, dataloader: DataLoader, device: torch.device, stop_checks):
+    """Returns the mean loss and the accuracy over every validation sample, and their count.
+
+    Returns None instead if a rank was told to stop, which all ranks check together after each
+    of the first `stop_checks` batches.
+    """
     # BatchNorm's running statistics are the one state that DDP leaves different: each process
     # updated them with its own last batch. Take rank 0's, so that every shard sees one model.
     for buffer in model.buffers():
@@ -415,12 +507,14 @@ def validation_loop(model: nn.Module, dataloader: DataLoader, device: torch.devi
     # Sums, not means, so that a smaller last batch weighs exactly its size: the summed loss,
     # the correct predictions and the sample count, in float64 to keep the counts exact.
     sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for x, y in dataloader:
+    for i, (x, y) in enumerate(dataloader):
         x, y = x.to(device), y.to(device)
         logits: Tensor = model(x)
         sums[0] += F.cross_entropy(logits, y, reduction="sum")
         sums[1] += logits.argmax(-1).eq(y).sum()
         sums[2] += y.shape[0]
+        if i < stop_checks and agree_to_stop(device):
+            return None
     # Each process saw its own shard: add the sums up, and every process gets the totals.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     total_loss, correct, n_samples = sums.tolist()
@@ -440,7 +534,8 @@ class ResumableSampler(DistributedSampler):
         return itertools.islice(super().__iter__(), self.skip, None)
 
     def __len__(self):
-        return self.num_samples - self.skip
+        # Zero for an epoch whose training was over when the job stopped.
+        return max(self.num_samples - self.skip, 0)
 
 
 class SyntheticCIFAR10(Dataset):
@@ -501,10 +596,13 @@ def check_dataset(data_dir: Path):
 
 
 def get_num_workers() -> int:
-    """One DataLoader worker per CPU that Slurm gave this task."""
+    """DataLoader workers: one per CPU this process may run on, less one for the process itself."""
+    # The CPUs that Slurm bound the task to. Where a site does not bind tasks to CPUs, that is the
+    # whole node: keep to what the job asked for as well.
+    cpus = len(os.sched_getaffinity(0))
     if "SLURM_CPUS_PER_TASK" in os.environ:
-        return int(os.environ["SLURM_CPUS_PER_TASK"])
-    return len(os.sched_getaffinity(0))
+        cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    return max(cpus - 1, 0)
 
 
 if __name__ == "__main__":

@@ -53,8 +53,8 @@ def main():
     )
     args = parser.parse_args()
 
-    # The GPU when Slurm gave us one, the CPU otherwise: the same file runs in a CPU smoke test.
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    # The GPU that Slurm gave the job, or the CPU: the same file runs in a CPU smoke test.
+    device = get_device(local_rank=0)
 
     logging.basicConfig(
         level=logging.INFO,
@@ -125,6 +125,50 @@ def main():
     print(f"summary: {json.dumps(summary)}", flush=True)
 
 
+def use_gpus() -> bool:
+    """True to train on GPUs with NCCL, False to train on CPUs with gloo.
+
+    A task that Slurm gave GPUs must use them: when CUDA does not work there, stop at once rather
+    than train on CPUs for hours. TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
+    """
+    if os.environ.get("TRAIN_ON_CPU") == "1":
+        return False
+    if torch.cuda.is_available():
+        return True
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus not in ("", "0") or visible not in ("", "-1", "NoDevFiles"):
+        raise SystemExit(
+            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, CUDA_VISIBLE_DEVICES="
+            f"{visible}), but torch {torch.__version__} cannot use them. Likely causes: a torch "
+            "build without CUDA; an NVIDIA driver older than the build needs (compare `nvidia-smi` "
+            f"with CUDA {torch.version.cuda}); a container started without its GPUs (apptainer "
+            "--nv). To train on CPUs anyway, set TRAIN_ON_CPU=1."
+        )
+    return False
+
+
+def get_device(local_rank: int) -> torch.device:
+    """This process's GPU, made its current device; or the CPU when not training on GPUs.
+
+    Slurm may show a task every GPU of its node, or only its own (--gpus-per-task, --gpu-bind, a
+    MIG slice). One rule fits both: a process that sees one GPU takes it, and a process that sees
+    several takes the one at its local rank, its place among the processes of its node.
+    """
+    if not use_gpus():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    index = 0 if visible == 1 else local_rank
+    if index >= visible:
+        raise SystemExit(
+            f"error: the process of local rank {local_rank} sees {visible} GPUs, none of them its "
+            "own. Ask for a GPU per process: as many GPUs per node as processes per node."
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
 @torch.no_grad()
 def validation_loop(model: nn.Module, dataloader: DataLoader, device: torch.device):
     """Returns the mean loss and the accuracy over every validation sample, and their count."""
@@ -189,10 +233,13 @@ def check_dataset(data_dir: Path):
 
 
 def get_num_workers() -> int:
-    """One DataLoader worker per CPU that Slurm gave this task."""
+    """DataLoader workers: one per CPU this process may run on, less one for the process itself."""
+    # The CPUs that Slurm bound the task to. Where a site does not bind tasks to CPUs, that is the
+    # whole node: keep to what the job asked for as well.
+    cpus = len(os.sched_getaffinity(0))
     if "SLURM_CPUS_PER_TASK" in os.environ:
-        return int(os.environ["SLURM_CPUS_PER_TASK"])
-    return len(os.sched_getaffinity(0))
+        cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    return max(cpus - 1, 0)
 
 
 if __name__ == "__main__":
