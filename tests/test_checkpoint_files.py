@@ -82,3 +82,42 @@ def test_killed_mid_save_in_place_loses_the_checkpoint(tmp_path):
     # An empty or truncated file, depending on where the kill landed.
     with pytest.raises((EOFError, RuntimeError)):
         torch.load(path, weights_only=True)
+
+
+# Records the calls that make a save durable, in order: fsync of a file or of a folder, rename.
+TRACE = """
+import os
+_fsync, _replace = os.fsync, os.replace
+
+def fsync(fd):
+    print("fsync", os.readlink(f"/proc/self/fd/{fd}"), flush=True)
+    _fsync(fd)
+
+def replace(src, dst):
+    print("replace", os.fspath(dst), flush=True)
+    _replace(src, dst)
+
+os.fsync, os.replace = fsync, replace
+"""
+
+
+@pytest.mark.parametrize("name", SAVES)
+def test_the_rename_is_synced_to_disk(tmp_path, name):
+    # A rename is a change to the folder, not to the file: until the folder is synced, a crash
+    # of the node can leave the old checkpoint, or none, where the new one was.
+    code, _ = SAVES[name]
+    path = tmp_path / "checkpoint.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELUDE + TRACE + code, str(path), "1", ""],
+        cwd=EXAMPLES_DIR / name,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    calls = [line for line in proc.stdout.splitlines() if line.startswith(("fsync", "replace"))]
+    assert calls == [
+        f"fsync {path}.tmp",
+        f"replace {path}",
+        f"fsync {tmp_path}",
+    ], proc.stdout

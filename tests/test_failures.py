@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from slurm_lab import Lab, job_processes
-from smoke import EXAMPLES_DIR, assert_bitwise_equal, numbers, parse_summaries, unwrapped
+from smoke import (
+    EXAMPLES,
+    EXAMPLES_DIR,
+    assert_bitwise_equal,
+    numbers,
+    parse_summaries,
+    unwrapped,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -33,13 +40,20 @@ EXACT_RUN = ("--epochs", "8", "--dataset-size", "8192", "--batch-size", "8")
 ONE_TASK_PER_NODE = ["--ntasks-per-node=1"]
 
 
-def submit(lab: Lab, name: str, *args: str, workdir: Path, options=()) -> str:
+def submit(lab: Lab, name: str, *args: str, workdir: Path, options=(), site=None, **env) -> str:
+    """Submits the example's job.sh, named after `workdir`: the run, whose checkpoints it keeps."""
     workdir.mkdir(parents=True, exist_ok=True)
     script = EXAMPLES_DIR / name / "job.sh"
-    site = name.split("/")[0]
+    options = [f"--job-name={run_name(workdir)}", *options]
     return lab.sbatch(
-        script, *args, site=site, workdir=workdir, options=options, OMP_NUM_THREADS="1"
-    )
+        script, *args, site=site or name.split("/")[0], workdir=workdir, options=options,
+        OMP_NUM_THREADS="1", **env,
+    )  # fmt: skip
+
+
+def run_name(workdir: Path) -> str:
+    """A job name of its own for each test and run: the pytest folder, and the run's."""
+    return "-".join(workdir.relative_to(workdir.parents[2]).parts)
 
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str):
@@ -63,9 +77,9 @@ def find_rank(job_id: str, rank: int) -> int | None:
     return None
 
 
-def checkpoint_of(lab: Lab, job_id: str) -> dict:
-    """The checkpoint that job.sh's CHECKPOINT_DIR holds: $SCRATCH/checkpoints/<job ID>."""
-    path = lab.state / "scratch" / "checkpoints" / job_id / "checkpoint.pt"
+def checkpoint_of(lab: Lab, workdir: Path) -> dict:
+    """The checkpoint that job.sh's CHECKPOINT_DIR holds: $SCRATCH/checkpoints/<job name>."""
+    path = lab.state / "scratch" / "checkpoints" / run_name(workdir) / "checkpoint.pt"
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -134,7 +148,9 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path):
 
     # The final weights, optimizer state, losses and random states are bitwise those of the
     # run that was never interrupted; the summaries differ only in the restart count.
-    assert_bitwise_equal(checkpoint_of(lab, job), checkpoint_of(lab, plain))
+    assert_bitwise_equal(
+        checkpoint_of(lab, tmp_path / "preempted"), checkpoint_of(lab, tmp_path / "plain")
+    )
     mine, theirs = parse_summaries(preempted.output), parse_summaries(uninterrupted.output)
     assert [s.pop("restarts") for s in mine] == [3] * 2
     assert [s.pop("restarts") for s in theirs] == [0] * 2
@@ -164,12 +180,48 @@ def test_a_preempted_mila_job_resumes_exactly(lab, tmp_path):
     assert len(stops) == 2 and len(set(stops)) == 1, preempted.output
     assert re.search(rf"Resumed from .+ at step {stops[0]}\b", text, re.S), preempted.output
     assert "killed by signal" not in text and "exited unexpectedly" not in text
-    assert_bitwise_equal(checkpoint_of(lab, job), checkpoint_of(lab, plain))
+    assert_bitwise_equal(
+        checkpoint_of(lab, tmp_path / "preempted"), checkpoint_of(lab, tmp_path / "plain")
+    )
     mine, theirs = parse_summaries(preempted.output), parse_summaries(uninterrupted.output)
     assert [s.pop("restarts") for s in mine] == [1, 1]
     assert [s.pop("restarts") for s in theirs] == [0, 0]
     assert numbers(mine) == numbers(theirs)
     print(f"mila: preempted at step {stops[0]} of {mine[0]['steps']}: final state bitwise equal")
+
+
+def test_a_cancelled_job_resumes_when_resubmitted(lab, tmp_path):
+    # scancel, a time limit or a failed requeue end the job for good; the user submits job.sh
+    # again, which gives it a new job ID. Checkpoints kept under the job name let it resume.
+    name = "generic/checkpointing"
+    options = ONE_TASK_PER_NODE
+    plain = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "plain", options=options)
+    first = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "run", options=options)
+    output = tmp_path / "run" / f"slurm-{first}.out"
+    wait_until(lambda: "epoch 0: mean loss" in read(output), 120, "an epoch of training")
+    time.sleep(random.uniform(0.1, 1.5))
+    # SIGTERM to every process of the job, then SIGKILL after KillWait: time to save.
+    subprocess.run(["scancel", first], env=lab.env(), check=True)
+    cancelled = lab.wait(first, tmp_path / "run", timeout=120)
+    assert cancelled.state == "CANCELLED", cancelled.output
+    stops = re.findall(r"\[\d/2\] Stopped at step (\d+), checkpoint saved", cancelled.output)
+    assert len(stops) == 2 and len(set(stops)) == 1, cancelled.output
+    assert "Requeueing job" not in cancelled.output
+
+    again = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "run", options=options)
+    assert again != first
+    resubmitted = lab.wait(again, tmp_path / "run", timeout=300)
+    uninterrupted = lab.wait(plain, tmp_path / "plain", timeout=300)
+    assert resubmitted.ok, resubmitted.output
+    assert uninterrupted.ok, uninterrupted.output
+    assert re.search(rf"Resumed from \S+ at step {stops[0]}\b", resubmitted.output)
+    assert_bitwise_equal(
+        checkpoint_of(lab, tmp_path / "run"), checkpoint_of(lab, tmp_path / "plain")
+    )
+    assert numbers(parse_summaries(resubmitted.output)) == numbers(
+        parse_summaries(uninterrupted.output)
+    )
+    print(f"cancelled at step {stops[0]}, resubmitted as job {again}: final state bitwise equal")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +296,7 @@ def test_resuming_with_another_task_count_fails_fast(lab, tmp_path):
     name = "generic/checkpointing"
     first = submit(lab, name, "--epochs", "1", "--dataset-size", "256", workdir=tmp_path)
     assert lab.wait(first, tmp_path, timeout=120).ok
-    checkpoints = lab.state / "scratch" / "checkpoints" / first
+    checkpoints = lab.state / "scratch" / "checkpoints" / run_name(tmp_path)
     # The same checkpoints, with 2 tasks instead of 4.
     job_id = submit(
         lab, name, "--checkpoint-dir", str(checkpoints), workdir=tmp_path,
@@ -293,3 +345,27 @@ def test_a_head_node_that_never_comes_up_fails_fast(lab, tmp_path):
     )  # fmt: skip
     job = timed_job(lab, job_id, tmp_path, "head node never up")
     assert re.search(r"waited 15 s for the rendezvous at cn1:\d+", job.output), job.output
+
+
+def test_a_site_without_scratch_stops_before_srun(lab, tmp_path):
+    # Without $SCRATCH the checkpoints would go to /checkpoints, which a user cannot write to:
+    # rank 0 would die at its first save, an epoch into the job. job.sh stops before srun.
+    name = "generic/checkpointing"
+    job_id = submit(lab, name, *EXAMPLES[name].args, workdir=tmp_path, site="no_scratch")
+    job = timed_job(lab, job_id, tmp_path, "no $SCRATCH")
+    assert "SCRATCH: is not set: set it, or this line, to shared storage" in job.output
+    assert "Running on" not in job.output
+
+
+def test_a_job_given_gpus_that_cuda_cannot_use_fails_fast(lab, tmp_path):
+    # The lab's GPUs are stand-ins, as unusable to CUDA as GPUs behind a too-old driver. Without
+    # TRAIN_ON_CPU=1, which the site profiles set, the job must stop, not train on CPUs.
+    job_id = submit(
+        lab, "generic/srun_tasks", *EXAMPLES["generic/srun_tasks"].args, workdir=tmp_path,
+        TRAIN_ON_CPU="",
+    )  # fmt: skip
+    job = timed_job(lab, job_id, tmp_path, "GPUs that CUDA cannot use")
+    assert re.search(
+        r"was given GPUs \(SLURM_GPUS_ON_NODE=2, CUDA_VISIBLE_DEVICES=\S+\)", job.output
+    )
+    assert "Running on" not in job.output

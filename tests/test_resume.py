@@ -123,3 +123,67 @@ def test_dataloader_workers_leave_the_stop_signals_to_their_rank(tmp_path):
     assert run.ok, run.output
     assert "Stopped at step" not in run.output
     assert len(run.summaries) == EXAMPLES[name].world_size
+
+
+def test_a_stop_during_validation_saves_at_once_and_validates_on_resumption(tmp_path):
+    # Validation, like training, must give way to a stop signal: if it ran to its end, a job
+    # warned shortly before its end would be killed before it saved. A short training run
+    # (3 steps) and a long validation (500 images per rank), signalled once training is over.
+    name = "mila/checkpointing"
+    launch = EXAMPLES[name]
+    args = (
+        "--synthetic-data", "--synthetic-size", "10000", "--batch-size", "16", "--epochs", "1",
+        "--max-steps", "3",
+    )  # fmt: skip
+    plain = run_example(name, launch, args, env={"CHECKPOINT_DIR": str(tmp_path / "plain")})
+    assert plain.ok, plain.output
+
+    def stop_in_validation(procs, logs: list[Path]):
+        deadline = time.monotonic() + 120
+        while "| 3/282" not in logs[0].read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # past the last training step's check for a stop
+        for pid in [procs[1].pid, *descendants(procs[1].pid)]:
+            signal_if_alive(pid, signal.SIGTERM)
+
+    env = {"CHECKPOINT_DIR": str(tmp_path / "stopped")}
+    first = run_example(name, launch, args, env=env, while_running=stop_in_validation)
+    assert first.ok, first.output
+    text = unwrapped(first.output)
+    assert text.count("Validation of epoch 0 stopped") == 2, first.output
+    assert "Epoch 0: val loss" not in text and "summary:" not in text
+    assert text.count("Stopped at step 3, checkpoint saved") == 2, first.output
+
+    second = run_example(name, launch, args, env=env)
+    assert second.ok, second.output
+    assert re.search(r"Resumed from .+ at step 3\b", unwrapped(second.output), re.S)
+    assert "Epoch 0: val loss" in unwrapped(second.output)
+    assert numbers(second.summaries) == numbers(plain.summaries)
+    load = lambda run: torch.load(  # noqa: E731
+        tmp_path / run / "checkpoint.pt", map_location="cpu", weights_only=True
+    )
+    assert_bitwise_equal(load("stopped"), load("plain"))
+
+
+@pytest.mark.parametrize("name", ARGS)
+def test_a_job_that_restarted_too_often_is_not_requeued(tmp_path, name):
+    # The warning before the time limit makes rank 0 requeue the job. A job that loops, say
+    # because its data makes every run fail the same way, must end for good at some point:
+    # --max-restarts.
+    launch = EXAMPLES[name]
+    env = {"CHECKPOINT_DIR": str(tmp_path), "SLURM_RESTART_COUNT": "3"}
+
+    def warn_one_rank(procs, logs: list[Path]):
+        wait_for_training(name, logs)
+        os.kill(procs[1].pid, signal.SIGUSR1)
+
+    args = (*ARGS[name], "--max-restarts", "3")
+    run = run_example(name, launch, args, env=env, while_running=warn_one_rank)
+    assert run.returncodes[0] != 0 and run.returncodes[1] == 0, run.output
+    text = unwrapped(run.output)
+    assert re.search(r"is not requeued: it has started 4 times, and\s+--max-restarts is 3", text)
+    assert "Resubmit job.sh with the same job name" in text
+    assert "Requeueing job" not in text
+    # It stopped as any warned job does, with the checkpoint saved.
+    assert text.count("checkpoint saved") == launch.world_size, run.output
+    assert (tmp_path / "checkpoint.pt").exists()

@@ -6,7 +6,8 @@ after each possible step: the model and optimizer are rebuilt from their state, 
 job does, and wrapped in a new DistributedDataParallel. Rank 0 prints, as JSON, the restart
 steps after which the final weights differ from the uninterrupted run's.
 
-A new DDP sums the first step's gradients in one bucket, in the order of model.parameters().
+A new DDP (find_unused_parameters=False, the default) sums the first step's gradients in one
+bucket, in the order of model.parameters().
 From the second step on, it sums them in the order backward() produced them. Floating-point
 addition depends on order, and the gradient of each element goes to another position of the
 buffer that gloo (or NCCL) reduces; with 3 processes or more, that changes how it is summed.

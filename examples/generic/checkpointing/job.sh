@@ -33,8 +33,8 @@ echo "Job $SLURM_JOB_ID, start number $((${SLURM_RESTART_COUNT:-0} + 1)), on $SL
 # shellcheck source=/dev/null
 source "$HOME/venvs/ddp/bin/activate"
 # --- Site-specific: storage that outlives the job and that every node sees ----------------
-checkpoints=${SCRATCH:?"is not set: set it, or this line, to shared storage that outlives jobs"}
-export CHECKPOINT_DIR=$checkpoints/checkpoints/$SLURM_JOB_NAME
+storage=${SCRATCH:?"is not set: set it, or this line, to shared storage that outlives jobs"}
+export CHECKPOINT_DIR=$storage/checkpoints/$SLURM_JOB_NAME
 # Fail now rather than at the first save, an epoch into training.
 if ! mkdir -p "$CHECKPOINT_DIR" || [[ ! -w $CHECKPOINT_DIR ]]; then
     echo "error: cannot write checkpoints to $CHECKPOINT_DIR" >&2

@@ -4,10 +4,12 @@ Over srun_tasks:
 - rank 0 writes a checkpoint atomically at the end of every epoch and whenever the job is told
   to stop. It holds all that is needed to continue exactly: model, optimizer, epoch, step, and
   each rank's random state and partial epoch sums;
-- a job that starts again, requeued or resubmitted, resumes from the latest checkpoint;
+- a job that starts again, requeued or resubmitted under the same job name, resumes from the
+  latest checkpoint;
 - on SIGUSR1, which job.sh asks Slurm to send before the time limit, or SIGTERM (preemption,
   `scancel`, `scontrol requeue`), all ranks stop at the same step and rank 0 saves. After
-  SIGUSR1, rank 0 also puts the job back in the queue;
+  SIGUSR1, rank 0 also puts the job back in the queue, unless the job would loop
+  (--max-restarts);
 - setup() fails fast, with the cause, when the rendezvous port is taken or the first node
   never answers.
 """

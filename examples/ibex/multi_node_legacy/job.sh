@@ -16,7 +16,12 @@ set -e
 scontrol show job "$SLURM_JOB_ID"
 
 # --- Ibex: software environment and data -------------------------------------------------
-# The environment of ../multi_node/job.sh, which says how to create it.
+# The environment of ../multi_node/job.sh, created once, on a login node:
+#   conda create -y -n dist-pytorch python=3.11
+#   conda activate dist-pytorch
+#   pip install torch==2.14.1 torchvision==0.29.1
+# That torch is built for CUDA 13.0: it needs NVIDIA driver 580 or newer, and GPUs of
+# compute capability 7.5 or newer, such as the A100s asked for above.
 # shellcheck source=/dev/null
 source "/ibex/user/$USER/miniconda3/bin/activate" dist-pytorch
 export DATA_DIR=/ibex/ai/reference/CV/tinyimagenet

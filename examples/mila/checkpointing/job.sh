@@ -39,8 +39,8 @@ module load anaconda/3
 conda activate pytorch
 
 # --- Mila: checkpoints go to $SCRATCH, which outlives the job and which every node sees ---
-checkpoints=${SCRATCH:?"is not set: set it, or this line, to shared storage that outlives jobs"}
-export CHECKPOINT_DIR=$checkpoints/checkpoints/$SLURM_JOB_NAME
+storage=${SCRATCH:?"is not set: set it, or this line, to shared storage that outlives jobs"}
+export CHECKPOINT_DIR=$storage/checkpoints/$SLURM_JOB_NAME
 # Fail now rather than at the first save, an epoch into training.
 if ! mkdir -p "$CHECKPOINT_DIR" || [[ ! -w $CHECKPOINT_DIR ]]; then
     echo "error: cannot write checkpoints to $CHECKPOINT_DIR" >&2

@@ -4,11 +4,12 @@ Over multi_node:
 - rank 0 writes a checkpoint atomically at the end of every epoch and whenever the job is told
   to stop. It holds all that is needed to continue exactly: model, optimizer, epoch, step, the
   numbers the summary reports, and each rank's random state;
-- a job that starts again, requeued or resubmitted, resumes from the latest checkpoint, part-way
-  through an epoch if need be;
+- a job that starts again, requeued or resubmitted under the same job name, resumes from the
+  latest checkpoint, part-way through an epoch if need be;
 - on SIGUSR1, which job.sh asks Slurm to send before the time limit, or SIGTERM (preemption,
-  `scancel`, `scontrol requeue`), all ranks stop at the same step and rank 0 saves. After
-  SIGUSR1, rank 0 also puts the job back in the queue;
+  `scancel`, `scontrol requeue`), all ranks stop at the same step, or validation batch, and
+  rank 0 saves. After SIGUSR1, rank 0 also puts the job back in the queue, unless the job would
+  loop (--max-restarts);
 - the DataLoader workers' fork server starts with both signals blocked, so that Slurm's signals
   do not kill the workers, and reach the training processes alone.
 
@@ -159,11 +160,14 @@ def main():
         sampler=train_sampler,
         generator=loader_generator,
     )
+    # Validation draws its workers' seed from a generator of its own too: a validation that was
+    # cut short and runs again must not draw twice from the global random state.
     valid_dataloader = DataLoader(
         valid_shard,
         batch_size=args.batch_size,
         num_workers=num_workers,
         shuffle=False,
+        generator=torch.Generator(),
     )
     # The full batches that every shard has: after each of them, all ranks can check together
     # whether to stop.
