@@ -39,7 +39,7 @@ SAVES = {
         'dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)\n'
         "model = torch.nn.Linear(2, 2)\n"
         "optimizer = torch.optim.AdamW(model.parameters())\n"
-        'main.save_checkpoint(path, model, optimizer, {"version": version, "extra": extra})',
+        'main.save_checkpoint(path, model, optimizer, {"version": version, "extra": extra}, {})',
         lambda checkpoint: checkpoint["progress"]["version"],
     ),
 }

@@ -139,10 +139,11 @@ def test_a_stop_during_validation_saves_at_once_and_validates_on_resumption(tmp_
     assert plain.ok, plain.output
 
     def stop_in_validation(procs, logs: list[Path]):
+        # Rank 0 logs this after the last training step's check for a stop, which rank 1 has
+        # joined: a signal from now on can only be noticed during validation.
         deadline = time.monotonic() + 120
-        while "| 3/282" not in logs[0].read_text() and time.monotonic() < deadline:
+        while "Validating epoch 0" not in logs[0].read_text() and time.monotonic() < deadline:
             time.sleep(0.02)
-        time.sleep(0.3)  # past the last training step's check for a stop
         for pid in [procs[1].pid, *descendants(procs[1].pid)]:
             signal_if_alive(pid, signal.SIGTERM)
 
@@ -187,3 +188,18 @@ def test_a_job_that_restarted_too_often_is_not_requeued(tmp_path, name):
     # It stopped as any warned job does, with the checkpoint saved.
     assert text.count("checkpoint saved") == launch.world_size, run.output
     assert (tmp_path / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("name", ARGS)
+def test_a_run_with_other_settings_does_not_resume_from_the_checkpoint(tmp_path, name):
+    # A trial run, or a run with another batch size, leaves a checkpoint in the run's folder.
+    # A job with other settings must not carry on from it as if it were its own.
+    launch = EXAMPLES[name]
+    env = {"CHECKPOINT_DIR": str(tmp_path)}
+    first = run_example(name, launch, env=env)
+    assert first.ok, first.output
+    other = run_example(name, launch, (*launch.args, "--batch-size", "12"), env=env)
+    assert not other.ok and not other.summaries, other.output
+    text = unwrapped(other.output)
+    assert re.search(r"belongs to a run with other settings \(--batch-size \d+ -> 12\)", text)
+    assert "another --job-name, or delete" in text

@@ -85,9 +85,12 @@ def main():
     model = torch.nn.Linear(20, 1)
     # Momentum gives the optimizer a state of its own, which the checkpoint must hold too.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    trainer = Trainer(model, dataloader, optimizer, device, args.checkpoint_dir / "checkpoint.pt")
+    # The settings that shape training: a checkpoint written with others belongs to another run.
+    settings = {"dataset_size": args.dataset_size, "batch_size": args.batch_size, "lr": args.lr}
+    trainer = Trainer(
+        model, dataloader, optimizer, device, args.checkpoint_dir / "checkpoint.pt", settings
+    )
     trainer.resume()
-    steps_at_start = trainer.step
     # From here on there is progress to lose: on either signal, stop after the current step and
     # save. Until now, Python's default, to end at once, lost nothing, and it also ends a process
     # stuck in the rendezvous, which a handler could not interrupt.
@@ -99,7 +102,7 @@ def main():
         # SIGUSR1 warns of the time limit, at which the job would end for good: requeue it.
         # After SIGTERM, Slurm is ending the job already, and requeues it if it preempted it.
         if stopped_by == signal.SIGUSR1 and rank == 0:
-            requeue(args.max_restarts, trainer.step - steps_at_start)
+            requeue(args.max_restarts)
         return
 
     summary = {
@@ -214,14 +217,15 @@ class ResumableSampler(DistributedSampler):
         return itertools.islice(super().__iter__(), self.skip, None)
 
     def __len__(self):
-        return self.num_samples - self.skip
+        return max(self.num_samples - self.skip, 0)
 
 
 class Trainer:
     """Trains a model with DDP, and saves and restores everything needed to continue exactly."""
 
-    def __init__(self, model, dataloader, optimizer, device, checkpoint_path: Path):
+    def __init__(self, model, dataloader, optimizer, device, checkpoint_path: Path, settings):
         self.device = device
+        self.settings = settings
         self.dataloader = dataloader
         self.optimizer = optimizer
         self.checkpoint_path = checkpoint_path
@@ -247,6 +251,17 @@ class Trainer:
                     f"processes, and this job has {world_size}. Resume with the same number of "
                     "tasks, or give a new --checkpoint-dir to start over."
                 )
+            if checkpoint["settings"] != self.settings:
+                changes = ", ".join(
+                    f"--{name.replace('_', '-')} {checkpoint['settings'][name]} -> {value}"
+                    for name, value in self.settings.items()
+                    if checkpoint["settings"][name] != value
+                )
+                raise SystemExit(
+                    f"error: {self.checkpoint_path} belongs to a run with other settings "
+                    f"({changes}). Resume with the same settings, or start a new run: another "
+                    f"--job-name, or delete {self.checkpoint_path.parent}."
+                )
             self.model.load_state_dict(checkpoint["model"])
             self.optimizer.load_state_dict(checkpoint["optimizer"])
             self.epoch, self.step = checkpoint["epoch"], checkpoint["step"]
@@ -254,7 +269,7 @@ class Trainer:
             mine = checkpoint["ranks"][rank]
             self.epoch_sums = mine["epoch_sums"].to(self.device)
             torch.set_rng_state(mine["cpu_rng"])
-            if torch.cuda.is_available():
+            if self.device.type == "cuda" and "cuda_rng" in mine:
                 torch.cuda.set_rng_state(mine["cuda_rng"])
             if rank == 0:
                 print(f"Resumed from {self.checkpoint_path} at step {self.step}", flush=True)
@@ -267,7 +282,7 @@ class Trainer:
         """Writes a checkpoint from rank 0, with every rank's own state in it. All ranks call it."""
         # The random state and the partial sums differ between processes: gather them all.
         mine = {"epoch_sums": self.epoch_sums.cpu(), "cpu_rng": torch.get_rng_state()}
-        if torch.cuda.is_available():
+        if self.device.type == "cuda":
             mine["cuda_rng"] = torch.cuda.get_rng_state()
         ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, ranks, dst=0)
@@ -279,6 +294,7 @@ class Trainer:
                 "step": self.step,
                 "epoch_step": self.epoch_step,
                 "losses": self.losses,
+                "settings": self.settings,
                 "ranks": ranks,
             }
             save_atomically(checkpoint, self.checkpoint_path)
@@ -352,20 +368,14 @@ def save_atomically(state: dict, path: Path):
         os.close(fd)
 
 
-def requeue(max_restarts: int, steps_done: int):
+def requeue(max_restarts: int):
     """Puts this job back in the queue: Slurm ends it now and starts it again later.
 
-    Refuses when the job would loop: when this run trained no step, or after `max_restarts`.
+    Refuses after `max_restarts`: a job that cannot finish would otherwise loop for good.
     """
     job_id = os.environ["SLURM_JOB_ID"]
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
-    if steps_done == 0:
-        raise SystemExit(
-            f"error: job {job_id} is not requeued: this run was told to stop before it trained a "
-            "step, and so would every run after it. Ask for a longer --time than the --signal "
-            f"warning, then {resubmit[0].lower()}{resubmit[1:]}"
-        )
     if restarts >= max_restarts:
         raise SystemExit(
             f"error: job {job_id} is not requeued: it has started {restarts + 1} times, and "

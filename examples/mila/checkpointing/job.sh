@@ -66,7 +66,8 @@ export MASTER_ADDR=${nodes[0]}
 export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 
 # srun starts one task per GPU on every node, each with its own SLURM_PROCID.
-# Arguments after `sbatch job.sh` reach main.py: `sbatch job.sh --synthetic-data --max-steps 50`.
+# Arguments after `sbatch job.sh` reach main.py, as in a trial run, under a name of its own:
+# `sbatch --job-name=trial job.sh --synthetic-data --max-steps 50`.
 # --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
 # otherwise wait for it in their next collective until a timeout.
 srun --kill-on-bad-exit=1 python main.py "$@"

@@ -13,7 +13,8 @@ Over multi_node:
 - the DataLoader workers' fork server starts with both signals blocked, so that Slurm's signals
   do not kill the workers, and reach the training processes alone.
 
-Try the job before staging any data with `sbatch job.sh --synthetic-data --max-steps 50`.
+Try the job before staging any data, as a run of its own name:
+`sbatch --job-name=trial job.sh --synthetic-data --max-steps 50`.
 """
 
 import argparse
@@ -21,6 +22,7 @@ import gc
 import itertools
 import json
 import logging
+import math
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -116,6 +118,15 @@ def main():
     )
     # Where this run starts: the latest checkpoint's position, or the beginning.
     checkpoint_path = args.checkpoint_dir / "checkpoint.pt"
+    # The settings that shape training. A checkpoint written with others belongs to another run,
+    # a trial run on synthetic data, say: resuming from it would mix the two.
+    settings = {
+        name: getattr(args, name)
+        for name in (
+            "synthetic_data", "synthetic_size", "batch_size", "learning_rate", "weight_decay",
+            "seed",
+        )
+    }  # fmt: skip
     # Besides the position, the progress holds what the summary reports, kept across restarts.
     progress = {
         "epoch": 0,
@@ -126,7 +137,7 @@ def main():
         "val": [None, None, None],
     }
     if checkpoint_path.exists():
-        progress = load_checkpoint(checkpoint_path, model, optimizer, rank, world_size)
+        progress = load_checkpoint(checkpoint_path, model, optimizer, rank, world_size, settings)
         logger.info(f"Resumed from {checkpoint_path} at step {progress['step']}")
     # DDP averages the gradients across processes during backward(), so every copy of the model
     # takes the same optimizer step. Keep `model.module`, the plain model, for evaluation.
@@ -183,10 +194,10 @@ def main():
     step, epoch_step = progress["step"], progress["epoch_step"]
     first_loss, last_loss = progress["first_loss"], progress["last_loss"]
     val_loss, val_accuracy, val_samples = progress["val"]
-    steps_at_start = step
+    max_steps = math.inf if args.max_steps is None else args.max_steps
     for epoch in range(progress["epoch"], args.epochs):
         # Done, unless a stop cut the last epoch's validation short.
-        if step == args.max_steps and epoch_step == 0:
+        if step >= max_steps and epoch_step == 0:
             break
         # Without set_epoch, the sampler would shuffle the data the same way in every epoch.
         train_sampler.set_epoch(epoch)
@@ -203,7 +214,7 @@ def main():
         signum = 0
         for x, y in train_dataloader:
             # At max_steps, training is over: only this epoch's validation and checkpoint remain.
-            if step == args.max_steps:
+            if step >= max_steps:
                 break
             x, y = x.to(device), y.to(device)
             logits: Tensor = model(x)
@@ -226,6 +237,8 @@ def main():
         progress_bar.close()
 
         if not signum:
+            if is_master:
+                logger.info(f"Validating epoch {epoch}")
             # Validation may outlast the time that Slurm gives between its signal and the end of
             # the job: it looks for a stop signal after its batches too.
             results = validation_loop(model.module, valid_dataloader, device, stop_checks)
@@ -251,10 +264,10 @@ def main():
                 "last_loss": last_loss,
                 "val": [val_loss, val_accuracy, val_samples],
             }
-            save_checkpoint(checkpoint_path, model.module, optimizer, progress)
+            save_checkpoint(checkpoint_path, model.module, optimizer, progress, settings)
             logger.info(f"Stopped at step {step}, checkpoint saved")
             if signum == signal.SIGUSR1 and is_master:
-                requeue(args.max_restarts, step - steps_at_start)
+                requeue(args.max_restarts)
             return
         # The next run starts with the next epoch.
         epoch_step = 0
@@ -266,7 +279,7 @@ def main():
             "last_loss": last_loss,
             "val": [val_loss, val_accuracy, val_samples],
         }
-        save_checkpoint(checkpoint_path, model.module, optimizer, progress)
+        save_checkpoint(checkpoint_path, model.module, optimizer, progress, settings)
 
     # One plain line per process to grep from the job's output: the numbers should agree.
     summary = {
@@ -394,11 +407,11 @@ def agree_to_stop(device: torch.device) -> int:
     return int(flag)
 
 
-def save_checkpoint(path: Path, model: nn.Module, optimizer, progress: dict):
+def save_checkpoint(path: Path, model: nn.Module, optimizer, progress: dict, settings: dict):
     """Writes a checkpoint from rank 0, with every rank's random state in it. All ranks call it."""
     # Each process has its own random state: gather them all.
     mine = {"cpu_rng": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if use_gpus():
         mine["cuda_rng"] = torch.cuda.get_rng_state()
     ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, ranks, dst=0)
@@ -407,6 +420,7 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer, progress: dict):
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "progress": progress,
+            "settings": settings,
             "ranks": ranks,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -434,7 +448,9 @@ def sync_folder(folder: Path):
         os.close(fd)
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer, rank: int, world_size: int):
+def load_checkpoint(
+    path: Path, model: nn.Module, optimizer, rank: int, world_size: int, settings: dict
+):
     """Restores the model, the optimizer and this rank's random state; returns the progress."""
     # weights_only: load tensors and plain containers only. A full unpickler would run whatever
     # code the file names.
@@ -445,29 +461,33 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer, rank: int, world_si
             f"has {world_size}. Resume with the same number of tasks, or give a new "
             "--checkpoint-dir to start over."
         )
+    if checkpoint["settings"] != settings:
+        changes = ", ".join(
+            f"--{name.replace('_', '-')} {checkpoint['settings'][name]} -> {value}"
+            for name, value in settings.items()
+            if checkpoint["settings"][name] != value
+        )
+        raise SystemExit(
+            f"error: {path} belongs to a run with other settings ({changes}). Resume with the "
+            f"same settings, or start a new run: another --job-name, or delete {path.parent}."
+        )
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     mine = checkpoint["ranks"][rank]
     torch.set_rng_state(mine["cpu_rng"])
-    if torch.cuda.is_available():
+    if use_gpus() and "cuda_rng" in mine:
         torch.cuda.set_rng_state(mine["cuda_rng"])
     return checkpoint["progress"]
 
 
-def requeue(max_restarts: int, steps_done: int):
+def requeue(max_restarts: int):
     """Puts this job back in the queue: Slurm ends it now and starts it again later.
 
-    Refuses when the job would loop: when this run trained no step, or after `max_restarts`.
+    Refuses after `max_restarts`: a job that cannot finish would otherwise loop for good.
     """
     job_id = os.environ["SLURM_JOB_ID"]
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
-    if steps_done == 0:
-        raise SystemExit(
-            f"error: job {job_id} is not requeued: this run was told to stop before it trained a "
-            "step, and so would every run after it. Ask for a longer --time than the --signal "
-            f"warning, then {resubmit[0].lower()}{resubmit[1:]}"
-        )
     if restarts >= max_restarts:
         raise SystemExit(
             f"error: job {job_id} is not requeued: it has started {restarts + 1} times, and "
