@@ -87,9 +87,9 @@ def use_gpus() -> bool:
 def get_device(local_rank: int) -> torch.device:
     """This process's GPU, made its current device; or the CPU when not training on GPUs.
 
-    Slurm may show a task every GPU of its node, or only its own (--gpus-per-task, --gpu-bind, a
-    MIG slice). One rule fits both: a process that sees one GPU takes it, and a process that sees
-    several takes the one at its local rank, its place among the processes of its node.
+    Slurm may show a task every GPU of its node, or only its own (--gpu-bind, often with
+    --gpus-per-task, or a MIG slice). One rule fits both: a process that sees one GPU takes it,
+    and a process that sees several takes the one at its local rank, its place on its node.
     """
     if not use_gpus():
         return torch.device("cpu")
