@@ -153,6 +153,25 @@ GPUS_GIVEN = {"SLURM_GPUS_ON_NODE": "2", "CUDA_VISIBLE_DEVICES": "0,1", "TRAIN_O
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_every_example_refuses_gpus_that_cuda_cannot_use(monkeypatch, name):
+    module = load_example(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for variable, value in GPUS_GIVEN.items():
+        monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit, match="was given GPUs .* set TRAIN_ON_CPU=1"):
+        module.use_gpus()
+    monkeypatch.setenv("TRAIN_ON_CPU", "1")  # asked for
+    assert module.use_gpus() is False
+    monkeypatch.setenv("TRAIN_ON_CPU", "")
+    monkeypatch.delenv("SLURM_GPUS_ON_NODE")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # no GPU given: a laptop, a CPU job
+    assert module.use_gpus() is False
+
+
+# One example per launch: python, srun, torchrun and mp.spawn.
+@pytest.mark.parametrize(
+    "name", ["mila/single_gpu", "generic/srun_tasks", "ibex/single_node", "generic/mp_spawn"]
+)
 def test_a_task_given_gpus_that_cuda_cannot_use_stops_at_once(name):
     # This machine's CUDA build of torch finds no GPU, as on a node whose driver is too old.
     if torch.cuda.is_available():

@@ -106,11 +106,13 @@ def test_dataloader_workers_leave_the_stop_signals_to_their_rank(tmp_path):
 
     def signal_workers(procs, logs: list[Path]):
         wait_for_training(name, logs)
-        # The fork server, its resource tracker, and the first worker, once it has started.
+        # The fork server, its resource tracker, and a worker, signalled as soon as one scan
+        # finds all three: a worker exists only while its loader is iterated.
         deadline = time.monotonic() + 60
-        while len(descendants(procs[1].pid)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        signalled.extend(descendants(procs[1].pid))
+        found = []
+        while len(found) < 3 and time.monotonic() < deadline:
+            found = descendants(procs[1].pid)
+        signalled.extend(found)
         for pid in signalled:
             signal_if_alive(pid, signal.SIGTERM)
             signal_if_alive(pid, signal.SIGUSR1)
