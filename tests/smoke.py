@@ -13,6 +13,7 @@ arguments.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -140,6 +141,15 @@ class Run:
         if "val_samples" in s:
             line += f", val {s['val_samples']} samples, accuracy {s['val_accuracy']:.1%}"
         return line
+
+
+def load_main(name: str):
+    """The example's main.py as a module, without running its main()."""
+    module_name = f"example_{name.replace('/', '_')}"
+    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES_DIR / name / "main.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

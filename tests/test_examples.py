@@ -1,7 +1,6 @@
 """Every example, run in CPU smoke mode as its job.sh launches it, must train correctly."""
 
 import dataclasses
-import importlib.util
 import re
 
 import pytest
@@ -14,6 +13,7 @@ from smoke import (
     Launch,
     base_env,
     check_run,
+    load_main,
     numbers,
     run_example,
 )
@@ -152,13 +152,6 @@ def test_ibex_without_torchrun_the_error_says_how_to_launch(name):
     run = failed_run(name, Launch("python"), args=EXAMPLES[name].args)
     assert "LOCAL_RANK, RANK, WORLD_SIZE not set" in run.output
     assert "torchrun" in run.output
-
-
-def load_main(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES_DIR / name / "main.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("name", IBEX_EXAMPLES)

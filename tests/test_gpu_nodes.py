@@ -6,14 +6,13 @@ which CUDA cannot use stops instead of training on CPUs, how a process picks its
 its DataLoader workers, and what the pages say about NCCL and DDP against this torch.
 """
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from smoke import EXAMPLES, EXAMPLES_DIR, run_example
+from smoke import EXAMPLES, EXAMPLES_DIR, load_main, run_example
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 JOB_SCRIPTS = sorted(EXAMPLES_DIR.glob("**/job.sh"))
@@ -43,16 +42,6 @@ OTHER_FEATURES = {"4gpus", "8gpus", "gpu_ai", "cpu_intel_gold_6142", "cpu_intel_
 DRIVER_FOR_CUDA = {"13": 580, "12": 525}
 # Short forms of the #SBATCH options that ask for GPUs or node features.
 SHORT_OPTIONS = {"C": "constraint", "G": "gpus"}
-
-
-def load_example(name: str):
-    """The example's main.py as a module, without running its main()."""
-    spec = importlib.util.spec_from_file_location(
-        f"example_{name.replace('/', '_')}", EXAMPLES_DIR / name / "main.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def gpu_types(script: str) -> set[str]:
@@ -154,7 +143,7 @@ GPUS_GIVEN = {"SLURM_GPUS_ON_NODE": "2", "CUDA_VISIBLE_DEVICES": "0,1", "TRAIN_O
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_example_refuses_gpus_that_cuda_cannot_use(monkeypatch, name):
-    module = load_example(name)
+    module = load_main(name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for variable, value in GPUS_GIVEN.items():
         monkeypatch.setenv(variable, value)
@@ -207,7 +196,7 @@ def test_without_gpus_an_example_trains_on_cpus_unasked():
 def test_a_process_takes_its_own_gpu_however_slurm_binds_them(
     monkeypatch, name, visible, local_rank, expected
 ):
-    module = load_example(name)
+    module = load_main(name)
     chosen = []
     monkeypatch.delenv("TRAIN_ON_CPU", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -244,7 +233,7 @@ def test_a_process_takes_its_own_gpu_however_slurm_binds_them(
 def test_workers_are_counted_from_the_cpus_a_process_may_use(
     monkeypatch, name, affinity, cpus_per_task, per_process
 ):
-    module = load_example(name)
+    module = load_main(name)
     monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: set(range(affinity)))
     if cpus_per_task is None:
         monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
