@@ -1,8 +1,10 @@
 """Sessions for the guide.
 
 nox -s examples docs    every example in CPU smoke mode, then the site
-nox -s lint tests       the test suite, Slurm test cluster included (root; what .ci/run runs)
-nox -s slurm            only the tests that submit job.sh files to the Slurm test cluster
+nox -s lint tests       the test suite, Slurm test cluster included (root; what .ci/run runs):
+                        everything on Slurm 24.11, then the every_version tests on 22.05
+nox -s slurm            only the tests that submit job.sh files to the Slurm test cluster, all
+                        of them on each version; `nox -s "slurm(version='22.05')"` for one
 nox -s docs -- --serve  rebuild the site on every change, served on localhost:8000
 """
 
@@ -87,13 +89,19 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole test suite, with the Slurm tests (which need root)."""
+    """The whole test suite, with the Slurm tests (which need root), on both Slurm versions.
+
+    Slurm 24.11, the version clusters run, gets every test. Slurm 22.05 gets the tests marked
+    every_version: each job.sh to completion, the variable table and the version differences.
+    """
     install(session, "test")
     session.run("pytest", *session.posargs)
+    session.run("pytest", "-m", "every_version", "--slurm-version=22.05", *session.posargs)
 
 
 @nox.session
-def slurm(session: nox.Session) -> None:
+@nox.parametrize("version", ["24.11", "22.05"])
+def slurm(session: nox.Session, version: str) -> None:
     """Only the tests that submit the job.sh files to the Slurm test cluster."""
     install(session, "test")
-    session.run("pytest", "-m", "slurm", *session.posargs)
+    session.run("pytest", "-m", "slurm", f"--slurm-version={version}", *session.posargs)

@@ -1,12 +1,21 @@
-"""Shared fixtures, and the rule that in CI a skipped test fails the run."""
+"""Shared fixtures, the Slurm version option, and the rule that in CI a skipped test fails."""
 
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from slurm_lab import Lab, LabUnavailable
+from slurm_lab import DEFAULT_VERSION, VERSIONS, Lab, LabUnavailable
 from smoke import Launch, run_example
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slurm-version",
+        choices=list(VERSIONS),
+        default=DEFAULT_VERSION,
+        help=f"the Slurm version of the test cluster (default {DEFAULT_VERSION})",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -24,8 +33,8 @@ def smoke_run():
 
 
 @pytest.fixture(scope="session")
-def lab():
-    lab = Lab()
+def lab(pytestconfig):
+    lab = Lab(version=pytestconfig.getoption("--slurm-version"))
     network_existed = Path("/network").exists()  # Mila's dataset mount point
     try:
         lab.up()

@@ -1,4 +1,4 @@
-"""A real Slurm cluster on this machine: one controller and two compute nodes.
+"""A real Slurm cluster on this machine: one controller and two compute nodes, of either version.
 
 Each node is a slurmd in its own network, UTS and mount namespace, so it has its own hostname
 and IP address, as on a real cluster: `hostname -I`, `scontrol show hostnames`, `srun -w` and a
@@ -6,14 +6,22 @@ MASTER_ADDR of the first node behave as they would there, and ranks on two nodes
 Fake typed GPUs (character devices standing in for /dev/nvidia*) and node features make the
 scripts' `--gpus-per-node`, `--gpus` and `--constraint` requests valid as written.
 
+Two Slurm versions, chosen by `Lab(version=...)`:
+- 24.11 (the default), what clusters run today: Debian 13's packages, in a Debian 13 root made
+  once with debootstrap and kept in /var/cache. Its daemons and commands run inside that root
+  (chroot), with the host folders that jobs use mounted at the same paths: /proc, /sys, /dev,
+  /tmp, /etc/hosts, the project and the Python. `Lab.env()` puts wrappers first on PATH that
+  run the commands (sbatch, srun, ...) there.
+- 22.05: Debian 12's packages, installed on this machine itself.
+
 A site profile (tests/sites/<name>/) supplies what a cluster gives its jobs: the `module` and
 `conda` commands, dataset folders, and `$SLURM_TMPDIR`. The job scripts are submitted unchanged.
 
 Used by the test suite, and by hand as root, with a Python that has the examples' dependencies
 (the profiles hand it to the jobs), e.g. .nox/tests/bin/python:
 
-    python tests/slurm_lab.py up      # install (apt) if needed, start, print SLURM_CONF
-    python tests/slurm_lab.py down    # stop everything and remove what `up` made
+    python tests/slurm_lab.py up [22.05|24.11]  # install if needed, start, print what to export
+    python tests/slurm_lab.py down              # stop everything and remove what `up` made
 """
 
 from __future__ import annotations
@@ -42,6 +50,23 @@ NODES = {"cn1": "10.77.0.11", "cn2": "10.77.0.12"}
 HOSTS_TAG = "# ddp-slurm-lab"
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 COMMANDS = ["slurmctld", "slurmd", "munged", "mungekey", "sbatch", "nsenter", "unshare", "ip"]
+
+# Each version, and the Debian release whose packages provide it: None is this machine's own.
+VERSIONS = {"22.05": None, "24.11": "trixie"}
+DEFAULT_VERSION = "24.11"
+ROOTS = Path("/var/cache/ddp-slurm-lab")
+# What a root holds beyond Debian's minimal base: Slurm and munge, the commands that the job
+# scripts and tests run on a node, and the shared libraries that the host's Python and its
+# extension modules load (run from the root, they find the root's /lib, not the host's).
+ROOT_PACKAGES = [
+    *PACKAGES, "hostname", "iproute2", "procps",
+    "libffi8", "libssl3t64", "libsqlite3-0", "libbz2-1.0", "liblzma5", "zlib1g", "libncursesw6",
+    "libreadline8t64", "libgdbm6t64", "libuuid1", "libstdc++6", "libgomp1", "libexpat1",
+]  # fmt: skip
+ROOT_COMMANDS = ["debootstrap", "chroot", "nsenter", "unshare", "ip"]
+# Client commands that Lab.env() runs inside the root.
+CLIENTS = ["sbatch", "srun", "salloc", "scontrol", "sinfo", "squeue", "scancel", "sacct", "sstat"]
+INSIDE_MARK = ".ddp-slurm-lab-root"  # a file at the root's top: "this process runs inside"
 
 # Folders that the sites' job scripts read, each shown to the nodes by a bind mount inside
 # their mount namespace: mount point -> source (relative sources are in the cluster's state).
@@ -74,17 +99,41 @@ class Job:
 
 @dataclass
 class Lab:
+    version: str = DEFAULT_VERSION
     state: Path = STATE
     procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.version not in VERSIONS:
+            raise LabUnavailable(
+                f"no Slurm {self.version} here; the test cluster runs {' or '.join(VERSIONS)}"
+            )
 
     @property
     def conf(self) -> Path:
         return self.state / "slurm.conf"
 
+    @property
+    def root(self) -> Path | None:
+        """The Debian root that holds this version's Slurm, or None for the host's own."""
+        suite = VERSIONS[self.version]
+        return None if suite is None else ROOTS / f"debian-{suite}"
+
+    def at_least(self, version: str) -> bool:
+        """Whether this cluster's Slurm is `version` ("23.11") or newer."""
+        return tuple(map(int, self.version.split("."))) >= tuple(map(int, version.split(".")))
+
+    @property
+    def bin(self) -> Path:
+        """Where the commands that run inside the root are (the root version's PATH entry)."""
+        return self.state / "bin"
+
     def env(self, site: str | None = None, **extra: str) -> dict[str, str]:
         """The environment to submit from: this cluster's config, plus a site's profile."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
         env["SLURM_CONF"] = str(self.conf)
+        if self.root is not None:
+            env["PATH"] = f"{self.bin}:{env.get('PATH', os.defpath)}"
         # Job scripts name the user's folders with $USER and $HOME, which CI may not set.
         env.setdefault("USER", pwd.getpwuid(os.getuid()).pw_name)
         env.setdefault("HOME", str(Path.home()))
@@ -101,9 +150,12 @@ class Lab:
     # Start and stop
 
     def up(self, timeout: float = 60.0) -> None:
-        check_can_start()
+        check_can_start(self.version)
         self.down()  # whatever a crashed run left behind
         self.state.mkdir(parents=True)
+        if self.root is not None:
+            self._write_root_commands()
+        self._check_version()
         self._write_config()
         self._make_site_data()
         self._start_munge()
@@ -206,11 +258,11 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def _start_munge(self) -> None:
         m = self.state / "munge"
         m.chmod(0o755)  # clients on every node reach the socket through this folder
-        _run(["mungekey", "--create", f"--keyfile={m}/munge.key"])
+        _run([*self._inside("mungekey"), "--create", f"--keyfile={m}/munge.key"])
         os.chmod(m / "munge.key", 0o600)
         _run(
             [
-                "munged",
+                *self._inside("munged"),
                 "--force",
                 f"--socket={m}/munge.socket.2",
                 f"--key-file={m}/munge.key",
@@ -246,15 +298,19 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         env = self.env()
         log = open(self.state / "log" / "daemons.out", "ab")  # noqa: SIM115 (lives with the lab)
         ctld = subprocess.Popen(
-            ["slurmctld", "-D", "-f", str(self.conf)], env=env, stdout=log, stderr=log
-        )
+            [*self._inside("slurmctld"), "-D", "-f", str(self.conf)],
+            env=env, stdout=log, stderr=log,
+        )  # fmt: skip
         self.procs.append(ctld)
         empty = self.state / "empty"
         empty.write_text("")
-        mounts = []
+        # Inside the root, the node's folders are the root's: mount there.
+        top = "" if self.root is None else str(self.root)
+        mounts = self._root_mounts()
         for mountpoint, source in SITE_MOUNTS.items():
-            _make_dirs(Path(mountpoint))
-            mounts.append(f"mount --bind {self.state / source} {mountpoint}")
+            _make_dirs(Path(top + mountpoint))
+            mounts.append(f"mount --bind {self.state / source} {top}{mountpoint}")
+        slurmd = "slurmd" if self.root is None else f"chroot {self.root} /usr/sbin/slurmd"
         for name in NODES:
             # In the node's own UTS and mount namespaces: its hostname, the sites' dataset
             # folders, and no resolv.conf, since DNS is unreachable from here and every lookup
@@ -263,15 +319,84 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 [
                     "set -e",
                     f"hostname {name}",
-                    f"mount --bind {empty} /etc/resolv.conf",
                     *mounts,
-                    f"exec slurmd -D -N {name} -f {self.conf}",
+                    f"mount --bind {empty} {top}/etc/resolv.conf",
+                    f"exec {slurmd} -D -N {name} -f {self.conf}",
                 ]
             )
             cmd = ["nsenter", f"--net=/run/netns/ddplab-{name}", "unshare", "--uts", "--mount"]
             self.procs.append(
                 subprocess.Popen([*cmd, "sh", "-c", script], env=env, stdout=log, stderr=log)
             )
+
+    # ----------------------------------------------------------------------------------------
+    # The root of a version that is not the host's
+
+    def _inside(self, command: str) -> list[str]:
+        """How to run a daemon's `command` of this version: inside its root, or as it is."""
+        if self.root is None:
+            return [command]
+        return [str(self.bin / "in-root"), f"/usr/sbin/{command}"]
+
+    def _root_mounts(self) -> list[str]:
+        """Shell commands that show the root the host folders its commands and jobs use."""
+        if self.root is None:
+            return []
+        project = Path(__file__).resolve().parent.parent
+        folders = [project, Path(sys.base_prefix), Path(sys.prefix)]
+        commands = [f"mount --rbind {d} {self.root}{d}" for d in ["/proc", "/sys", "/dev", "/tmp"]]
+        commands.append(f"mount --bind /etc/hosts {self.root}/etc/hosts")
+        seen: list[Path] = [Path("/tmp")]
+        for folder in folders:
+            folder = folder.resolve()
+            if any(folder.is_relative_to(s) for s in seen):
+                continue
+            seen.append(folder)
+            commands += [
+                f"mkdir -p {self.root}{folder}",
+                f"mount --bind {folder} {self.root}{folder}",
+            ]
+        return commands
+
+    def _write_root_commands(self) -> None:
+        """in-root, which runs a command inside the root, and a wrapper for each client."""
+        assert self.root is not None
+        self.bin.mkdir()
+        mounts = "\n".join(self._root_mounts())
+        in_root = self.bin / "in-root"
+        in_root.write_text(
+            f"""\
+#!/bin/sh
+# Runs a command of Slurm {self.version} inside {self.root}, in the caller's folder, with the
+# host folders that jobs use at the same paths. Written by tests/slurm_lab.py.
+set -e
+if [ -e /{INSIDE_MARK} ]; then exec "$@"; fi  # already inside, as a job's srun is
+if [ "$1" != --mounted ]; then
+    exec unshare --mount --propagation private "$0" --mounted "$@"
+fi
+shift
+{mounts}
+if ! [ -d "{self.root}$PWD" ]; then
+    echo "slurm_lab: $PWD is not visible inside {self.root}: run from the project or /tmp" >&2
+    exit 1
+fi
+exec chroot {self.root} /bin/sh -c 'cd "$0" && exec "$@"' "$PWD" "$@"
+"""
+        )
+        in_root.chmod(0o755)
+        for name in CLIENTS:
+            wrapper = self.bin / name
+            wrapper.write_text(f'#!/bin/sh\nexec {in_root} /usr/bin/{name} "$@"\n')
+            wrapper.chmod(0o755)
+
+    def _check_version(self) -> None:
+        out = _run([*self._inside("slurmctld"), "-V"]).split()
+        found = out[-1] if out else "?"
+        if not found.startswith(self.version + "."):
+            where = "this machine" if self.root is None else str(self.root)
+            raise LabUnavailable(f"the Slurm of {where} is {found}, not {self.version}")
+
+    # ----------------------------------------------------------------------------------------
 
     def _wait_for_nodes(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -395,27 +520,66 @@ def job_stacks(job_id: str) -> str:
     return "\n".join(dumps)
 
 
-def check_can_start() -> None:
-    """Installs Slurm and munge with apt if needed; says why when the cluster cannot start."""
+def check_can_start(version: str = DEFAULT_VERSION) -> None:
+    """Installs what `version` needs if it is missing; says why when the cluster cannot start.
+
+    The host's own version comes from apt; another version's root is made with debootstrap.
+    """
     if os.geteuid() != 0:
         raise LabUnavailable(
             "the Slurm test cluster needs root (namespaces, a bridge, daemons as root)"
         )
-    missing = [c for c in COMMANDS if shutil.which(c) is None]
+    suite = VERSIONS[version]
+    commands, packages = (
+        (COMMANDS, [*PACKAGES, "iproute2", "util-linux"])
+        if suite is None
+        else (ROOT_COMMANDS, ["debootstrap", "iproute2", "util-linux", "coreutils"])
+    )
+    missing = [c for c in commands if shutil.which(c) is None]
     if missing:
         if shutil.which("apt-get") is None:
             raise LabUnavailable(f"{', '.join(missing)} missing and there is no apt-get")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         subprocess.run(["apt-get", "update", "-qq"], env=env, check=True)
         subprocess.run(
-            ["apt-get", "install", "-y", "-qq", *PACKAGES, "iproute2", "util-linux"],
+            ["apt-get", "install", "-y", "-qq", *packages],
             env=env,
             check=True,
             stdout=subprocess.DEVNULL,
         )
-        missing = [c for c in COMMANDS if shutil.which(c) is None]
+        missing = [c for c in commands if shutil.which(c) is None]
         if missing:
             raise LabUnavailable(f"still missing after apt-get install: {', '.join(missing)}")
+    if suite is not None:
+        make_root(suite)
+
+
+def make_root(suite: str) -> Path:
+    """A Debian `suite` root with Slurm, made once (about a minute) and kept in ROOTS."""
+    root = ROOTS / f"debian-{suite}"
+    if (root / INSIDE_MARK).exists():
+        return root
+    # Made beside its final place and renamed when complete: an interrupted run leaves no
+    # half-made root that a later run would take for a whole one.
+    partial = ROOTS / f"debian-{suite}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    ROOTS.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(
+        ["debootstrap", "--variant=minbase", f"--include={','.join(ROOT_PACKAGES)}", suite,
+         str(partial), "http://deb.debian.org/debian"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if result.returncode != 0:
+        log = partial / "debootstrap" / "debootstrap.log"
+        detail = log.read_text(errors="replace")[-2000:] if log.exists() else result.stderr
+        raise LabUnavailable(f"debootstrap of Debian {suite} failed:\n{detail}")
+    # Mount points for the host's files, which a minimal base may lack.
+    for name in ["hosts", "resolv.conf"]:
+        (partial / "etc" / name).touch()
+    (partial / INSIDE_MARK).write_text(f"Debian {suite} root of tests/slurm_lab.py\n")
+    shutil.rmtree(root, ignore_errors=True)
+    partial.rename(root)
+    return root
 
 
 def _run(cmd: list[str], **kwargs) -> str:
@@ -453,11 +617,13 @@ def _remove_made_dirs() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["up"]:
-        lab = Lab()
+    if sys.argv[1:2] == ["up"] and len(sys.argv) <= 3:
+        lab = Lab(*sys.argv[2:])
         lab.up()
-        print(f"Slurm test cluster up, nodes {', '.join(NODES)}. To use it:")
+        print(f"Slurm {lab.version} test cluster up, nodes {', '.join(NODES)}. To use it:")
         print(f"export SLURM_CONF={lab.conf}")
+        if lab.root is not None:
+            print(f'export PATH="{lab.bin}:$PATH"')
     elif sys.argv[1:] == ["down"]:
         Lab().down()
     else:

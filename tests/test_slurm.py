@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from slurm_lab import NODES, LabUnavailable, check_can_start
+from slurm_lab import NODES, Lab, LabUnavailable, check_can_start
 from smoke import EXAMPLES, EXAMPLES_DIR, Launch, check_run, numbers, parse_summaries
 
 pytestmark = pytest.mark.slurm
@@ -72,6 +72,7 @@ def jobs(lab, tmp_path_factory):
     return job
 
 
+@pytest.mark.every_version
 @pytest.mark.parametrize("name", NAMES)
 def test_sbatch_test_only_accepts_the_script(lab, name):
     script = EXAMPLES_DIR / name / "job.sh"
@@ -86,6 +87,7 @@ def test_sbatch_test_only_accepts_the_script(lab, name):
     assert "to start at" in result.stderr
 
 
+@pytest.mark.every_version
 @pytest.mark.parametrize("name", NAMES)
 def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
     assert name in EXAMPLES, f"{name}: add it to EXAMPLES in tests/smoke.py"
@@ -128,6 +130,7 @@ def test_job_results_match_the_direct_smoke_run(jobs, smoke_run, name):
     assert numbers(parse_summaries(job.output)) == numbers(direct.summaries), job.output
 
 
+@pytest.mark.every_version
 def test_nodes_have_their_own_hostname_and_address(lab):
     """What the scripts rely on: per-node names and IPs, and TCP between the nodes."""
     script = (
@@ -149,8 +152,13 @@ def test_nodes_have_their_own_hostname_and_address(lab):
     assert sum("reached-cn1" in line for line in lines) == 2, lines
 
 
+@pytest.mark.every_version
 def test_variable_table_matches_the_cluster(lab):
-    """The concepts page's table of Slurm variables holds what a real task sees."""
+    """The concepts page's table of Slurm variables holds what a real task sees.
+
+    Run on each version: a row is set from the version its "Set by" column names, and holds
+    the value shown wherever it is set.
+    """
     table = csv.DictReader((DOCS / "slurm-variables.csv").open())
     example = "Task 3 of 2 nodes × 2 tasks sees"
     result = subprocess.run(
@@ -167,9 +175,15 @@ def test_variable_table_matches_the_cluster(lab):
     rows = list(table)
     assert len(rows) >= 10
     for row in rows:
-        name = row["Slurm variable"]
-        assert name in task3, f"{name} is not set in an srun task"
-        if row[example] != "(varies)":
+        name, since = row["Slurm variable"], row["Set by"]
+        if since == "every version":
+            expected = True
+        else:
+            first = re.fullmatch(r"(\d+\.\d+) and later", since)
+            assert first, f"{name}: 'Set by' says {since!r}"
+            expected = lab.at_least(first[1])
+        assert (name in task3) == expected, f"{name}: set={name in task3} on {lab.version}"
+        if expected and row[example] != "(varies)":
             assert task3[name] == row[example], name
 
 
@@ -217,3 +231,10 @@ def test_cluster_says_why_it_cannot_start(monkeypatch, euid, which, expected):
     monkeypatch.setattr("shutil.which", lambda name: which)
     with pytest.raises(LabUnavailable, match=expected):
         check_can_start()
+
+
+def test_cluster_names_the_versions_it_has():
+    with pytest.raises(
+        LabUnavailable, match="no Slurm 21.08 here; the test cluster runs 22.05 or 24.11"
+    ):
+        Lab(version="21.08")

@@ -26,9 +26,10 @@ if ((SLURM_NTASKS != SLURM_JOB_NUM_NODES)); then
         "once per node: use #SBATCH --ntasks-per-node=1" >&2
     exit 1
 fi
-# Since Slurm 22.05, srun no longer inherits --cpus-per-task from the job: pass it on.
-export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
 
 # One task on one node runs torchrun, which starts a process per GPU of the node.
 # --standalone: a rendezvous on this node only, on a free port; enough for a single node.
-srun torchrun --standalone --nproc-per-node="$SLURM_GPUS_ON_NODE" main.py "$@"
+# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
+# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05 to 23.02 do not.
+srun --cpus-per-task="$SLURM_CPUS_PER_TASK" \
+    torchrun --standalone --nproc-per-node="$SLURM_GPUS_ON_NODE" main.py "$@"

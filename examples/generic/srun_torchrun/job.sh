@@ -26,14 +26,13 @@ if ((SLURM_NTASKS != SLURM_JOB_NUM_NODES)); then
         "once per node: use #SBATCH --ntasks-per-node=1" >&2
     exit 1
 fi
-# Since Slurm 22.05, srun no longer inherits --cpus-per-task from the job: pass it on.
-export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
-
 # The rendezvous: the job's first node, by name, on a port derived from the job ID. torchrun's
 # c10d rendezvous runs inside the torchrun on that node; --rdzv-id keeps other jobs out.
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
+# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05 to 23.02 do not.
 # --kill-on-bad-exit: if one node's torchrun fails, end the others at once.
-srun --kill-on-bad-exit=1 torchrun \
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" torchrun \
     --nnodes="$SLURM_JOB_NUM_NODES" \
     --nproc-per-node="$SLURM_GPUS_ON_NODE" \
     --rdzv-backend=c10d \

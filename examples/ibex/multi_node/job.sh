@@ -36,9 +36,6 @@ export PYTHONFAULTHANDLER=1
 # The processes get their parallelism from DataLoader workers and the GPU; one OpenMP thread
 # each keeps them from crowding the task's CPUs.
 export OMP_NUM_THREADS=1
-# Since Slurm 22.05, srun no longer inherits --cpus-per-task from the job: pass it on.
-export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
-
 # torchrun starts a process per GPU itself, so it must run once per node. With one srun task
 # per GPU instead, each of G tasks would start G processes: G x G in all.
 if ((SLURM_NTASKS != SLURM_JOB_NUM_NODES)); then
@@ -57,8 +54,10 @@ echo "Rendezvous at $head_node:$port"
 
 # One torchrun per node, each starting one process per GPU of its node.
 # Arguments after `sbatch job.sh` reach main.py, e.g. `sbatch job.sh --epochs 1`.
+# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
+# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05 to 23.02 do not.
 # --kill-on-bad-exit: if one node's torchrun fails, end the others at once.
-srun --kill-on-bad-exit=1 torchrun \
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" torchrun \
     --nnodes="$SLURM_JOB_NUM_NODES" \
     --nproc-per-node="$SLURM_GPUS_ON_NODE" \
     --rdzv-backend=c10d \

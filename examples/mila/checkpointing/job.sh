@@ -47,10 +47,6 @@ if ! mkdir -p "$CHECKPOINT_DIR" || [[ ! -w $CHECKPOINT_DIR ]]; then
     exit 1
 fi
 
-# Since Slurm 22.05, srun no longer inherits --cpus-per-task from the job: pass it on, or each
-# task gets one CPU for its DataLoader workers.
-export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
-
 # --- Mila: stage the dataset on every node's local disk --------------------------------
 # Each node has its own $SLURM_TMPDIR, so one task per node does the copy. The single quotes
 # make $SLURM_TMPDIR expand on that node, not here.
@@ -68,6 +64,8 @@ export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 # srun starts one task per GPU on every node, each with its own SLURM_PROCID.
 # Arguments after `sbatch job.sh` reach main.py, as in a trial run, under a name of its own:
 # `sbatch --job-name=trial job.sh --synthetic-data --max-steps 50`.
+# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
+# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05 to 23.02 do not.
 # --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
 # otherwise wait for it in their next collective until a timeout.
-srun --kill-on-bad-exit=1 python main.py "$@"
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@"

@@ -25,10 +25,6 @@ module --quiet purge
 module load anaconda/3
 conda activate pytorch
 
-# Since Slurm 22.05, srun no longer inherits --cpus-per-task from the job: pass it on, or each
-# task gets one CPU for its DataLoader workers.
-export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
-
 # --- Mila: stage the dataset on every node's local disk --------------------------------
 # Each node has its own $SLURM_TMPDIR, so one task per node does the copy. The single quotes
 # make $SLURM_TMPDIR expand on that node, not here.
@@ -45,6 +41,8 @@ export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 
 # srun starts one task per GPU on every node, each with its own SLURM_PROCID.
 # Arguments after `sbatch job.sh` reach main.py: `sbatch job.sh --synthetic-data --max-steps 50`.
+# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
+# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05 to 23.02 do not.
 # --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
 # otherwise wait for it in their next collective until a timeout.
-srun --kill-on-bad-exit=1 python main.py "$@"
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@"

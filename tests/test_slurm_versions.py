@@ -1,0 +1,141 @@
+"""What changed between the Slurm versions of the test cluster, pinned so the pages can say it.
+
+Each test runs on whichever version the suite was started with (`--slurm-version`) and checks
+that version's behaviour; `nox -s tests` runs them on both 22.05 and 24.11. The expectations
+follow Slurm's changelogs: 23.11 made srun inherit --cpus-per-task again (22.05 to 23.02 did
+not, unless told with SRUN_CPUS_PER_TASK), added SLURM_TRES_PER_TASK, and 23.11.4 added
+`srun --gres-flags=allow-task-sharing`.
+"""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from slurm_lab import Lab
+
+pytestmark = [pytest.mark.slurm, pytest.mark.every_version]
+
+
+def run_job(lab: Lab, tmp_path: Path, options: list[str], body: str):
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n" + body)
+    job_id = lab.sbatch(script, site=None, workdir=tmp_path, options=options)
+    return lab.wait(job_id, tmp_path, timeout=60)
+
+
+def steps(output: str) -> dict[str, list[str]]:
+    """The lines each step printed, by the step's label: `<label> <rest>` -> {label: [rest]}."""
+    found: dict[str, list[str]] = {}
+    for line in output.splitlines():
+        label, _, rest = line.partition(" ")
+        if label.startswith("step-"):
+            found.setdefault(label, []).append(rest)
+    return found
+
+
+# Each step prints, per task, the CPUs that slurmctld gave the step (`scontrol show step`) and
+# the task's SLURM_CPUS_PER_TASK. --exact gives a step just the CPUs its tasks ask for, instead
+# of all the job's, so the step's CPUs show its CPUs per task (no CPU binding needed).
+SHOW_STEP = """
+step=$(scontrol show step "$SLURM_JOB_ID.$SLURM_STEP_ID" | grep -o "CPUs=[0-9]*" | head -1)
+echo "$1 $SLURM_PROCID $step env=$SLURM_CPUS_PER_TASK"
+"""
+CPU_JOB = """
+show=$PWD/show.sh  # the job runs in the test's folder (sbatch --chdir)
+srun --exact bash "$show" step-bare
+SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK srun --exact bash "$show" step-srun-variable
+srun --exact --cpus-per-task="$SLURM_CPUS_PER_TASK" bash "$show" step-srun-option
+# A script that sets its own SLURM_CPUS_PER_TASK (2, where the job asked for 4).
+SLURM_CPUS_PER_TASK=2 srun --exact bash "$show" step-own-variable \
+    || echo "step-own-variable refused"
+"""
+
+
+def test_cpus_per_task_that_a_bare_srun_step_gets(lab, tmp_path):
+    """Job: 2 tasks, --cpus-per-task=4 (8 CPUs). What does each srun step get?"""
+    (tmp_path / "show.sh").write_text(SHOW_STEP)
+    job = run_job(lab, tmp_path, ["--nodes=1", "--ntasks=2", "--cpus-per-task=4"], CPU_JOB)
+    assert job.ok, job.output
+    got = steps(job.output)
+    # Both tasks of a step print the same line but for their rank: keep the rest.
+    cpus = {
+        label: sorted({line.partition(" ")[2] for line in lines}) for label, lines in got.items()
+    }
+    if lab.at_least("23.11"):
+        assert cpus["step-bare"] == ["CPUs=8 env=4"], job.output  # inherited again
+    else:
+        assert cpus["step-bare"] == ["CPUs=2 env=4"], job.output  # one CPU a task
+    # What the guide's scripts do, and the older variable: 4 CPUs a task on every version.
+    assert cpus["step-srun-option"] == ["CPUs=8 env=4"], job.output
+    assert cpus["step-srun-variable"] == ["CPUs=8 env=4"], job.output
+    if lab.at_least("23.11"):
+        # From 23.11, SLURM_TRES_PER_TASK (cpu=4) disagrees with the script's 2: srun stops.
+        assert got["step-own-variable"] == ["refused"], job.output
+        assert "cpus-per-task set by two different environment variables" in job.output
+    else:
+        # 22.05 reads no SLURM_CPUS_PER_TASK at all: one CPU a task, as for a bare step.
+        assert cpus["step-own-variable"] == ["CPUs=2 env=2"], job.output
+
+
+def test_tres_per_task_is_set_from_23_11(lab):
+    result = subprocess.run(
+        ["srun", "--ntasks=1", "--cpus-per-task=2", "printenv", "SLURM_TRES_PER_TASK"],
+        env=lab.env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if lab.at_least("23.11"):
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == "cpu=2"
+    else:
+        assert result.returncode == 1 and result.stdout == "", result.stdout  # unset
+
+
+# Two tasks with a GPU each (--gpus-per-task), and the GPUs that each task is bound to.
+GPU_JOB = """
+gpus='echo "$0 $SLURM_PROCID gpus=$CUDA_VISIBLE_DEVICES"'
+srun bash -c "$gpus" step-bound
+srun bash -c 'echo "step-variables ${SLURM_GPUS_PER_TASK-unset} ${SLURM_TRES_PER_TASK-unset}"'
+srun --gres-flags=allow-task-sharing bash -c "$gpus" step-shared || echo "step-shared refused"
+"""
+
+
+def test_gpus_per_task_and_allow_task_sharing(lab, tmp_path):
+    """Mila's way of asking for GPUs: --gpus-per-task, with srun's allow-task-sharing.
+
+    The flag lets every task open the job's other GPUs on its node where cgroups confine
+    devices, which this cluster does not do; what it can show is which versions accept the
+    flag, and that on 24.11 each task stays bound to its own GPU either way.
+    """
+    options = ["--nodes=1", "--ntasks=2", "--gpus-per-task=rtx8000:1"]
+    job = run_job(lab, tmp_path, options, GPU_JOB)
+    assert job.ok, job.output
+    got = steps(job.output)
+    if lab.at_least("23.11"):
+        # CUDA_VISIBLE_DEVICES names the task's own GPU, so main.py takes cuda:0.
+        assert sorted(got["step-bound"]) == ["0 gpus=0", "1 gpus=1"], job.output
+    else:
+        # 22.05 on this cluster, which runs no task plugin, leaves it empty: a real 22.05
+        # cluster binds through its task plugin, which this test cannot show.
+        assert sorted(got["step-bound"]) == ["0 gpus=", "1 gpus="], job.output
+    if lab.at_least("23.11"):
+        # SLURM_GPUS_PER_TASK is gone; the request is in SLURM_TRES_PER_TASK.
+        assert got["step-variables"] == ["unset gres/gpu:rtx8000=1"] * 2, job.output
+    else:
+        assert got["step-variables"] == ["rtx8000:1 unset"] * 2, job.output
+    if lab.at_least("23.11.4"):
+        assert sorted(got["step-shared"]) == ["0 gpus=0", "1 gpus=1"], job.output
+    else:
+        assert got["step-shared"] == ["refused"], job.output
+        assert re.search(r"[Ii]nvalid.*gres-flags", job.output), job.output
+
+
+def test_sbatch_refuses_allow_task_sharing(lab, tmp_path):
+    """The flag is srun's: in an #SBATCH line it stops the submission, on every version."""
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --gres-flags=allow-task-sharing\ntrue\n")
+    result = subprocess.run(
+        ["sbatch", "--test-only", str(script)],
+        env=lab.env(), capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode != 0, result.stderr
+    assert "gres-flags" in result.stderr, result.stderr
