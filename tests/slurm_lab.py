@@ -359,10 +359,25 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return commands
 
     def _write_root_commands(self) -> None:
-        """in-root, which runs a command inside the root, and a wrapper for each client."""
+        """Mounts the host folders for the root, once, and writes the commands that use them.
+
+        A process that does nothing holds a mount namespace with the root's bind mounts, so
+        that they exist nowhere else and vanish with it. `in-root` runs a command inside the
+        root, in that namespace; each client command (sbatch, ...) has a wrapper that calls it.
+        """
         assert self.root is not None
         self.bin.mkdir()
-        mounts = "\n".join(self._root_mounts())
+        pidfile = self.state / "root-mounts.pid"
+        mounts = [*self._root_mounts(), f"echo $$ > {pidfile}", "exec sleep infinity"]
+        self.procs.append(
+            subprocess.Popen(["unshare", "--mount", "--propagation", "private",
+                              "sh", "-e", "-c", "\n".join(mounts)])
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            if self.procs[-1].poll() is not None or time.monotonic() > deadline:
+                raise LabUnavailable(f"could not mount the host folders in {self.root}")
+            time.sleep(0.05)
         in_root = self.bin / "in-root"
         in_root.write_text(
             f"""\
@@ -371,16 +386,12 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 # host folders that jobs use at the same paths. Written by tests/slurm_lab.py.
 set -e
 if [ -e /{INSIDE_MARK} ]; then exec "$@"; fi  # already inside, as a job's srun is
-if [ "$1" != --mounted ]; then
-    exec unshare --mount --propagation private "$0" --mounted "$@"
-fi
-shift
-{mounts}
-if ! [ -d "{self.root}$PWD" ]; then
-    echo "slurm_lab: $PWD is not visible inside {self.root}: run from the project or /tmp" >&2
-    exit 1
-fi
-exec chroot {self.root} /bin/sh -c 'cd "$0" && exec "$@"' "$PWD" "$@"
+exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh -c '
+    if ! cd "$0" 2>/dev/null; then
+        echo "slurm_lab: $0 is not visible inside {self.root}: run from the project or /tmp" >&2
+        exit 1
+    fi
+    exec "$@"' "$PWD" "$@"
 """
         )
         in_root.chmod(0o755)

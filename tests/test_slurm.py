@@ -14,7 +14,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from slurm_lab import NODES, Lab, LabUnavailable, check_can_start
+import slurm_lab
+from slurm_lab import NODES, Lab, LabUnavailable, check_can_start, make_root
 from smoke import EXAMPLES, EXAMPLES_DIR, Launch, check_run, numbers, parse_summaries
 
 pytestmark = pytest.mark.slurm
@@ -238,3 +239,24 @@ def test_cluster_names_the_versions_it_has():
         LabUnavailable, match="no Slurm 21.08 here; the test cluster runs 22.05 or 24.11"
     ):
         Lab(version="21.08")
+
+
+def test_cluster_says_when_its_slurm_is_another_version(monkeypatch):
+    # Debian 13's own slurmd on the host, say, where 22.05 was asked for.
+    monkeypatch.setattr(slurm_lab, "_run", lambda cmd, **kw: "slurm-wlm 24.11.5\n")
+    with pytest.raises(LabUnavailable, match="the Slurm of this machine is 24.11.5, not 22.05"):
+        Lab(version="22.05")._check_version()
+
+
+def test_a_root_that_cannot_be_made_says_why_and_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(slurm_lab, "ROOTS", tmp_path)
+
+    def debootstrap_fails(cmd, **kwargs):
+        (tmp_path / "debian-trixie.partial" / "etc").mkdir(parents=True)  # half made
+        return subprocess.CompletedProcess(cmd, 1, "", "E: Failed getting release file")
+
+    monkeypatch.setattr(subprocess, "run", debootstrap_fails)
+    with pytest.raises(LabUnavailable, match="debootstrap of Debian trixie failed"):
+        make_root("trixie")
+    # No root that a later run would take for a whole one.
+    assert not (tmp_path / "debian-trixie").exists()
