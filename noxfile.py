@@ -92,7 +92,8 @@ def tests(session: nox.Session) -> None:
     """The whole test suite, with the Slurm tests (which need root), on both Slurm versions.
 
     Slurm 24.11, the version clusters run, gets every test. Slurm 22.05 gets the tests marked
-    every_version: each job.sh to completion, the variable table and the version differences.
+    every_version: each job.sh to completion and through sbatch --test-only, the nodes' names
+    and addresses, the variable table, and the version differences.
     """
     install(session, "test")
     session.run("pytest", *session.posargs)
@@ -102,6 +103,6 @@ def tests(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("version", ["24.11", "22.05"])
 def slurm(session: nox.Session, version: str) -> None:
-    """Only the tests that submit the job.sh files to the Slurm test cluster."""
+    """The tests that use the Slurm test cluster, all of them, on Slurm `version`."""
     install(session, "test")
     session.run("pytest", "-m", "slurm", f"--slurm-version={version}", *session.posargs)

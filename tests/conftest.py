@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from slurm_lab import DEFAULT_VERSION, VERSIONS, Lab, LabUnavailable
+from slurm_lab import DEFAULT_VERSION, ROOTS, VERSIONS, Lab, LabUnavailable
 from smoke import Launch, run_example
 
 
@@ -57,6 +57,13 @@ def assert_torn_down(network_existed: bool):
     daemons = subprocess.run(["pgrep", "-f", "ddp-slurm-lab"], capture_output=True, text=True)
     assert daemons.stdout == "", daemons.stdout
     assert not Path("/tmp/ddp-slurm-lab").exists()
+    # The Debian root's bind mounts live in namespaces of the lab's processes: none may remain.
+    for mountinfo in Path("/proc").glob("[0-9]*/mountinfo"):
+        try:
+            mounts = mountinfo.read_text()
+        except OSError:  # the process has just exited
+            continue
+        assert str(ROOTS) not in mounts, f"{mountinfo.parent.name} still holds a mount in {ROOTS}"
     assert Path("/network").exists() == network_existed
 
 

@@ -27,13 +27,16 @@ Used by the test suite, and by hand as root, with a Python that has the examples
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +44,7 @@ from pathlib import Path
 import tinyimagenet
 
 STATE = Path("/tmp/ddp-slurm-lab")
-SITES = Path(__file__).parent / "sites"
+SITES = Path(__file__).resolve().parent / "sites"
 # Two networks, as on clusters whose nodes have Ethernet and InfiniBand: each node has an
 # address on both, and `hostname -I` lists them in this order. Names resolve to the first.
 NETWORKS = {"eth0": ("ddplab0", "10.77.0"), "ib0": ("ddplab1", "10.78.0")}
@@ -153,15 +156,19 @@ class Lab:
         check_can_start(self.version)
         self.down()  # whatever a crashed run left behind
         self.state.mkdir(parents=True)
-        if self.root is not None:
-            self._write_root_commands()
-        self._check_version()
-        self._write_config()
-        self._make_site_data()
-        self._start_munge()
-        self._start_network()
-        self._start_daemons()
-        self._wait_for_nodes(timeout)
+        try:
+            if self.root is not None:
+                self._write_root_commands()
+            self._check_version()
+            self._write_config()
+            self._make_site_data()
+            self._start_munge()
+            self._start_network()
+            self._start_daemons()
+            self._wait_for_nodes(timeout)
+        except BaseException:
+            self.down()  # no daemon, mount or namespace outlives a start that failed
+            raise
 
     def down(self) -> None:
         """Stops every daemon and removes namespaces, bridge, hosts lines and state."""
@@ -233,7 +240,7 @@ MinJobAge=3600
 SchedulerParameters=batch_sched_delay=0
 EnforcePartLimits=ALL
 KillWait=30
-TaskProlog={Path(__file__).parent / "sites" / "task_prolog.sh"}
+TaskProlog={SITES / "task_prolog.sh"}
 {node_lines}
 PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
@@ -309,7 +316,8 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         mounts = self._root_mounts()
         for mountpoint, source in SITE_MOUNTS.items():
             _make_dirs(Path(top + mountpoint))
-            mounts.append(f"mount --bind {self.state / source} {top}{mountpoint}")
+            target = shlex.quote(top + mountpoint)
+            mounts.append(f"mount --bind {shlex.quote(str(self.state / source))} {target}")
         slurmd = "slurmd" if self.root is None else f"chroot {self.root} /usr/sbin/slurmd"
         for name in NODES:
             # In the node's own UTS and mount namespaces: its hostname, the sites' dataset
@@ -343,19 +351,23 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         if self.root is None:
             return []
         project = Path(__file__).resolve().parent.parent
-        folders = [project, Path(sys.base_prefix), Path(sys.prefix)]
+        python = [Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()]
+        for prefix in python:
+            # Debian's own Python lives in /usr, which would hide the root's /usr, Slurm and all.
+            if prefix in (Path("/"), Path("/usr")):
+                raise LabUnavailable(
+                    f"Slurm {self.version} runs jobs inside {self.root}, which cannot be shown "
+                    f"the Python in {prefix}: use one installed elsewhere (pyenv, uv, conda)"
+                )
         commands = [f"mount --rbind {d} {self.root}{d}" for d in ["/proc", "/sys", "/dev", "/tmp"]]
         commands.append(f"mount --bind /etc/hosts {self.root}/etc/hosts")
         seen: list[Path] = [Path("/tmp")]
-        for folder in folders:
-            folder = folder.resolve()
+        for folder in [project, *python, Path(tempfile.gettempdir()).resolve()]:
             if any(folder.is_relative_to(s) for s in seen):
                 continue
             seen.append(folder)
-            commands += [
-                f"mkdir -p {self.root}{folder}",
-                f"mount --bind {folder} {self.root}{folder}",
-            ]
+            inside = shlex.quote(f"{self.root}{folder}")
+            commands += [f"mkdir -p {inside}", f"mount --bind {shlex.quote(str(folder))} {inside}"]
         return commands
 
     def _write_root_commands(self) -> None:
@@ -369,14 +381,18 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         self.bin.mkdir()
         pidfile = self.state / "root-mounts.pid"
         mounts = [*self._root_mounts(), f"echo $$ > {pidfile}", "exec sleep infinity"]
-        self.procs.append(
-            subprocess.Popen(["unshare", "--mount", "--propagation", "private",
-                              "sh", "-e", "-c", "\n".join(mounts)])
-        )  # fmt: skip
+        errors = self.state / "root-mounts.err"
+        with open(errors, "w") as err:
+            self.procs.append(
+                subprocess.Popen(["unshare", "--mount", "--propagation", "private",
+                                  "sh", "-e", "-c", "\n".join(mounts)], stderr=err)
+            )  # fmt: skip
         deadline = time.monotonic() + 10
         while not pidfile.exists() or not pidfile.read_text().strip():
             if self.procs[-1].poll() is not None or time.monotonic() > deadline:
-                raise LabUnavailable(f"could not mount the host folders in {self.root}")
+                raise LabUnavailable(
+                    f"could not mount the host folders in {self.root}: {errors.read_text()}"
+                )
             time.sleep(0.05)
         in_root = self.bin / "in-root"
         in_root.write_text(
@@ -568,7 +584,9 @@ def check_can_start(version: str = DEFAULT_VERSION) -> None:
 def make_root(suite: str) -> Path:
     """A Debian `suite` root with Slurm, made once (about a minute) and kept in ROOTS."""
     root = ROOTS / f"debian-{suite}"
-    if (root / INSIDE_MARK).exists():
+    # The mark names what the root was made with: a root made with other packages is made anew.
+    mark = f"Debian {suite} root of tests/slurm_lab.py, packages {packages_digest()}\n"
+    if (root / INSIDE_MARK).exists() and (root / INSIDE_MARK).read_text() == mark:
         return root
     # Made beside its final place and renamed when complete: an interrupted run leaves no
     # half-made root that a later run would take for a whole one.
@@ -583,14 +601,19 @@ def make_root(suite: str) -> Path:
     if result.returncode != 0:
         log = partial / "debootstrap" / "debootstrap.log"
         detail = log.read_text(errors="replace")[-2000:] if log.exists() else result.stderr
+        shutil.rmtree(partial, ignore_errors=True)
         raise LabUnavailable(f"debootstrap of Debian {suite} failed:\n{detail}")
     # Mount points for the host's files, which a minimal base may lack.
     for name in ["hosts", "resolv.conf"]:
         (partial / "etc" / name).touch()
-    (partial / INSIDE_MARK).write_text(f"Debian {suite} root of tests/slurm_lab.py\n")
+    (partial / INSIDE_MARK).write_text(mark)
     shutil.rmtree(root, ignore_errors=True)
     partial.rename(root)
     return root
+
+
+def packages_digest() -> str:
+    return hashlib.sha256(" ".join(ROOT_PACKAGES).encode()).hexdigest()[:12]
 
 
 def _run(cmd: list[str], **kwargs) -> str:

@@ -227,7 +227,7 @@ def test_a_process_takes_its_own_gpu_however_slurm_binds_them(
         (8, "64", 8),  # Slurm bound the task to 8 CPUs: SLURM_CPUS_PER_TASK says more
         (8, None, 8),
         (64, "8", 8),  # a site that binds no task: the whole node is visible, keep to the ask
-        (1, "8", 1),  # Slurm 22.05 without SRUN_CPUS_PER_TASK: the step got one CPU
+        (1, "8", 1),  # Slurm 22.05 to 23.02, srun without -c: the step got one CPU
     ],
 )
 def test_workers_are_counted_from_the_cpus_a_process_may_use(

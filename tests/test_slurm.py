@@ -158,7 +158,7 @@ def test_variable_table_matches_the_cluster(lab):
     """The concepts page's table of Slurm variables holds what a real task sees.
 
     Run on each version: a row is set from the version its "Set by" column names, and holds
-    the value shown wherever it is set.
+    the value shown on each version of the test cluster that sets it.
     """
     table = csv.DictReader((DOCS / "slurm-variables.csv").open())
     example = "Task 3 of 2 nodes × 2 tasks sees"
@@ -252,11 +252,12 @@ def test_a_root_that_cannot_be_made_says_why_and_leaves_nothing(monkeypatch, tmp
     monkeypatch.setattr(slurm_lab, "ROOTS", tmp_path)
 
     def debootstrap_fails(cmd, **kwargs):
-        (tmp_path / "debian-trixie.partial" / "etc").mkdir(parents=True)  # half made
+        target = Path(cmd[-2])
+        (target / "etc").mkdir(parents=True)  # half made, where debootstrap was told to
         return subprocess.CompletedProcess(cmd, 1, "", "E: Failed getting release file")
 
     monkeypatch.setattr(subprocess, "run", debootstrap_fails)
     with pytest.raises(LabUnavailable, match="debootstrap of Debian trixie failed"):
         make_root("trixie")
-    # No root that a later run would take for a whole one.
-    assert not (tmp_path / "debian-trixie").exists()
+    # No root that a later run would take for a whole one, and no half-made one either.
+    assert list(tmp_path.iterdir()) == []

@@ -45,6 +45,7 @@ CPU_JOB = """
 show=$PWD/show.sh  # the job runs in the test's folder (sbatch --chdir)
 srun --exact bash "$show" step-bare
 SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK srun --exact bash "$show" step-srun-variable
+SRUN_CPUS_PER_TASK=2 srun --exact bash "$show" step-srun-variable-2
 srun --exact --cpus-per-task="$SLURM_CPUS_PER_TASK" bash "$show" step-srun-option
 # A script that sets its own SLURM_CPUS_PER_TASK (2, where the job asked for 4).
 SLURM_CPUS_PER_TASK=2 srun --exact bash "$show" step-own-variable \
@@ -58,6 +59,9 @@ def test_cpus_per_task_that_a_bare_srun_step_gets(lab, tmp_path):
     job = run_job(lab, tmp_path, ["--nodes=1", "--ntasks=2", "--cpus-per-task=4"], CPU_JOB)
     assert job.ok, job.output
     got = steps(job.output)
+    for lines in got.values():
+        if lines != ["refused"]:  # both tasks of every step that ran printed
+            assert sorted(line.split(" ", 1)[0] for line in lines) == ["0", "1"], job.output
     # Both tasks of a step print the same line but for their rank: keep the rest.
     cpus = {
         label: sorted({line.partition(" ")[2] for line in lines}) for label, lines in got.items()
@@ -70,6 +74,11 @@ def test_cpus_per_task_that_a_bare_srun_step_gets(lab, tmp_path):
     assert cpus["step-srun-option"] == ["CPUs=8 env=4"], job.output
     assert cpus["step-srun-variable"] == ["CPUs=8 env=4"], job.output
     if lab.at_least("23.11"):
+        # SRUN_CPUS_PER_TASK is ignored: 2 changes nothing, the job's 4 are inherited.
+        assert cpus["step-srun-variable-2"] == ["CPUs=8 env=4"], job.output
+    else:
+        assert cpus["step-srun-variable-2"] == ["CPUs=4 env=2"], job.output
+    if lab.at_least("23.11"):
         # From 23.11, SLURM_TRES_PER_TASK (cpu=4) disagrees with the script's 2: srun stops.
         assert got["step-own-variable"] == ["refused"], job.output
         assert "cpus-per-task set by two different environment variables" in job.output
@@ -80,14 +89,12 @@ def test_cpus_per_task_that_a_bare_srun_step_gets(lab, tmp_path):
 
 def test_tres_per_task_is_set_from_23_11(lab):
     result = subprocess.run(
-        ["srun", "--ntasks=1", "--cpus-per-task=2", "printenv", "SLURM_TRES_PER_TASK"],
+        ["srun", "--ntasks=1", "--cpus-per-task=2", "bash", "-c",
+         'echo "${SLURM_TRES_PER_TASK-unset}"'],
         env=lab.env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    if lab.at_least("23.11"):
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.strip() == "cpu=2"
-    else:
-        assert result.returncode == 1 and result.stdout == "", result.stdout  # unset
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ("cpu=2" if lab.at_least("23.11") else "unset")
 
 
 # Two tasks with a GPU each (--gpus-per-task), and the GPUs that each task is bound to.
