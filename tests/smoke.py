@@ -47,6 +47,12 @@ IBEX_SMOKE_ARGS = ("--epochs", "1", "--max-steps", "3", "--batch-size", "8", "--
 IBEX_VAL_SAMPLES = 25
 # The generic examples: a few epochs of a tiny regression, or a few steps of ResNet-50.
 GENERIC_SMOKE_ARGS = ("--epochs", "3", "--dataset-size", "256")
+# The FSDP2 example: a tiny language model, 8 global batches of 12 sequences an epoch. 12 divides
+# among 1, 2, 3 and 4 processes, so every test layout trains on the same batches.
+FSDP_SMOKE_ARGS = (
+    "--epochs", "2", "--dataset-size", "96", "--global-batch-size", "12", "--vocab-size", "64",
+    "--seq-len", "16", "--dim", "32", "--heads", "2", "--layers", "2",
+)  # fmt: skip
 SPAWN_SMOKE_ARGS = (
     "--synthetic-data", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "4",
     "--lr", "0.001", "--nprocs", "2",
@@ -100,6 +106,7 @@ EXAMPLES: dict[str, Launch] = {
     "generic/first_ddp": Launch("torchrun", procs_per_task=2, args=GENERIC_SMOKE_ARGS),
     "generic/srun_tasks": Launch("srun", nodes=2, args=GENERIC_SMOKE_ARGS),
     "generic/checkpointing": Launch("srun", nodes=2, args=GENERIC_SMOKE_ARGS),
+    "generic/fsdp": Launch("srun", nodes=2, args=FSDP_SMOKE_ARGS),
     "generic/srun_torchrun": Launch("torchrun", nodes=2, args=GENERIC_SMOKE_ARGS),
     "generic/mp_spawn": Launch("python", procs_per_task=2, args=SPAWN_SMOKE_ARGS),
     "generic/any_launcher": Launch("srun", tasks_per_node=2, args=GENERIC_SMOKE_ARGS),
@@ -347,6 +354,24 @@ def assert_bitwise_equal(a, b, where="checkpoint"):
             assert_bitwise_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def load_sharded_checkpoint(checkpoint_dir: Path) -> dict:
+    """The one complete checkpoint of the FSDP2 example in `checkpoint_dir`, as whole tensors.
+
+    Each save deletes the checkpoints before it; a folder ending in .tmp is an unfinished one.
+    DCP's own converter gathers the shards, without a process group.
+    """
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    [folder] = [p for p in checkpoint_dir.iterdir() if not p.name.endswith(".tmp")]
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(folder, whole)
+        state = torch.load(whole, weights_only=True)
+    state["progress"] = torch.load(folder / "progress.pt", weights_only=True)
+    return state
 
 
 def unwrapped(output: str) -> str:

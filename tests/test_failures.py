@@ -21,6 +21,7 @@ from smoke import (
     EXAMPLES,
     EXAMPLES_DIR,
     assert_bitwise_equal,
+    load_sharded_checkpoint,
     numbers,
     parse_summaries,
     unwrapped,
@@ -188,6 +189,40 @@ def test_a_preempted_mila_job_resumes_exactly(lab, tmp_path):
     assert [s.pop("restarts") for s in theirs] == [0, 0]
     assert numbers(mine) == numbers(theirs)
     print(f"mila: preempted at step {stops[0]} of {mine[0]['steps']}: final state bitwise equal")
+
+
+def test_a_warned_fsdp_job_requeues_itself_and_resumes_exactly(lab, tmp_path):
+    # The FSDP2 step: every rank saves its own shard of the checkpoint, into a folder that rank 0
+    # renames when complete; the requeued job loads the shards back. Warned with SIGUSR1, as
+    # --signal=USR1@120 warns before the time limit, rank 0 requeues the job itself.
+    name = "generic/fsdp"
+    args = (*EXAMPLES[name].args, "--dataset-size", "192", "--log-every", "1")
+    options = ONE_TASK_PER_NODE
+    plain = submit(lab, name, *args, workdir=tmp_path / "plain", options=options)
+    job = submit(lab, name, *args, workdir=tmp_path / "warned", options=options)
+    output = tmp_path / "warned" / f"slurm-{job}.out"
+    step = random.randint(3, 20)
+    wait_until(lambda: f"step {step}:" in read(output), 180, f"training step {step}")
+    subprocess.run(["scancel", "--signal=USR1", job], env=lab.env(), check=True)
+    restart_when_requeued(lab, job, 1)
+    warned = lab.wait(job, tmp_path / "warned", timeout=300)
+    uninterrupted = lab.wait(plain, tmp_path / "plain", timeout=300)
+    assert uninterrupted.ok, uninterrupted.output
+    assert warned.ok, warned.output
+    stops = re.findall(r"\[\d/2\] Stopped at step (\d+), checkpoint saved", warned.output)
+    assert len(stops) == 2 and len(set(stops)) == 1, warned.output
+    assert "Requeueing job" in warned.output
+    assert re.search(rf"Resumed from \S+ at step {stops[0]}\n", warned.output), warned.output
+    scratch = lab.state / "scratch" / "checkpoints"
+    assert_bitwise_equal(
+        load_sharded_checkpoint(scratch / run_name(tmp_path / "warned")),
+        load_sharded_checkpoint(scratch / run_name(tmp_path / "plain")),
+    )
+    mine, theirs = parse_summaries(warned.output), parse_summaries(uninterrupted.output)
+    assert [s.pop("restarts") for s in mine] == [1, 1]
+    assert [s.pop("restarts") for s in theirs] == [0, 0]
+    assert numbers(mine) == numbers(theirs)
+    print(f"fsdp: warned at step {stops[0]} of {mine[0]['steps']}: final state bitwise equal")
 
 
 def test_a_cancelled_job_resumes_when_resubmitted(lab, tmp_path):

@@ -1,0 +1,58 @@
+"""One rank of the FSDP2 example, run by its own main(), recording each step for the tests.
+
+test_fsdp.py starts this once per rank, with the variables that srun gives a task, as
+smoke.py starts main.py. After every training step, all ranks gather the full gradients and
+parameters from their shards, and rank 0 writes them, a list over steps, to the file named by
+the first argument. The other arguments are main.py's.
+
+With FSDP_AVG_AS_SUM=1, the reduce-scatter of gradients sums where FSDP2 asks it to average:
+the silent bug that test_fsdp.py must catch (pytorch#162338: gloo once did just that).
+"""
+
+import gc
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from smoke import load_main
+
+fsdp = load_main("generic/fsdp")
+out = sys.argv.pop(1)
+steps = []
+
+run_batch = fsdp.Trainer._run_batch
+
+
+def recording_run_batch(self, tokens):
+    loss = run_batch(self, tokens)
+    # full_tensor() gathers a tensor from every rank's shard: all ranks take part. On one rank it
+    # may return the tensor itself, which later steps change in place: hence the copies.
+    named = list(self.model.named_parameters())
+    steps.append(
+        {
+            "grads": {name: p.grad.full_tensor().clone() for name, p in named},
+            "params": {name: p.full_tensor().detach().clone() for name, p in named},
+        }
+    )
+    return loss
+
+
+fsdp.Trainer._run_batch = recording_run_batch
+
+if os.environ.get("FSDP_AVG_AS_SUM") == "1":
+    # FSDP2 reduce-scatters gradients with dist.reduce_scatter_single: make its average a sum.
+    reduce_scatter = dist.reduce_scatter_single
+
+    def summing_reduce_scatter(*args, op=dist.ReduceOp.SUM, **kwargs):
+        if op == dist.ReduceOp.AVG:
+            op = dist.ReduceOp.SUM
+        return reduce_scatter(*args, op=op, **kwargs)
+
+    dist.reduce_scatter_single = summing_reduce_scatter
+
+fsdp.main()
+if dist.get_rank() == 0:
+    torch.save(steps, out)
+gc.collect()
+dist.destroy_process_group()
