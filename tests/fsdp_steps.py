@@ -5,6 +5,7 @@ smoke.py starts main.py. After every training step, all ranks gather the full gr
 parameters from their shards, and rank 0 writes them, a list over steps, to the file named by
 the first argument. The other arguments are main.py's.
 
+With FSDP_REFERENCE=1, in one process, the model is trained without FSDP2: the reference.
 With FSDP_AVG_AS_SUM=1, the reduce-scatter of gradients sums where FSDP2 asks it to average:
 the silent bug that test_fsdp.py must catch (pytorch#162338: gloo once did just that).
 """
@@ -24,6 +25,10 @@ steps = []
 run_batch = fsdp.Trainer._run_batch
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def recording_run_batch(self, tokens):
     loss = run_batch(self, tokens)
     # full_tensor() gathers a tensor from every rank's shard: all ranks take part. On one rank it
@@ -31,8 +36,8 @@ def recording_run_batch(self, tokens):
     named = list(self.model.named_parameters())
     steps.append(
         {
-            "grads": {name: p.grad.full_tensor().clone() for name, p in named},
-            "params": {name: p.full_tensor().detach().clone() for name, p in named},
+            "grads": {name: whole(p.grad).clone() for name, p in named},
+            "params": {name: whole(p).detach().clone() for name, p in named},
         }
     )
     return loss
@@ -50,6 +55,20 @@ if os.environ.get("FSDP_AVG_AS_SUM") == "1":
         return reduce_scatter(*args, op=op, **kwargs)
 
     dist.reduce_scatter_single = summing_reduce_scatter
+
+if os.environ.get("FSDP_REFERENCE") == "1":
+    # The reference for the others: the model without FSDP2, in one process, starting from the
+    # weights that FSDP2 would start from.
+    build_sharded = fsdp.build_model
+
+    def build_plain_model(args, device):
+        sharded = build_sharded(args, device)
+        plain = fsdp.TinyLM(args.vocab_size, args.seq_len, args.dim, args.heads, args.layers)
+        plain.load_state_dict({name: p.full_tensor() for name, p in sharded.named_parameters()})
+        return plain
+
+    fsdp.build_model = build_plain_model
+    fsdp.local_sizes = lambda model, optimizer: {}
 
 fsdp.main()
 if dist.get_rank() == 0:

@@ -76,7 +76,9 @@ def stop_one_rank(name: str):
     return interrupt
 
 
-@pytest.mark.parametrize("name", ARGS)
+# The Mila step is held to the same under Slurm (test_failures.py), where the requeue signals its
+# DataLoader workers too; run here as well, its 8 steps of ResNet took a minute of CI.
+@pytest.mark.parametrize("name", ["generic/checkpointing"])
 def test_a_stopped_run_resumes_exactly(tmp_path, name):
     launch = EXAMPLES[name]
     plain = run_example(name, launch, ARGS[name], env={"CHECKPOINT_DIR": str(tmp_path / "plain")})

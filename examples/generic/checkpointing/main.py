@@ -132,7 +132,7 @@ def setup(rendezvous_timeout: float):
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     # The store where the processes meet, made here rather than by init_process_group so that
     # joining has its own short timeout: the group's timeout also bounds every collective, and
-    # its default is 30 minutes of silence.
+    # its default is 10 minutes of silence for NCCL and 30 for gloo.
     try:
         store = dist.TCPStore(
             address,

@@ -104,9 +104,8 @@ def main():
     local_rank, rank, world_size = setup(args.rendezvous_timeout)
     device = get_device(local_rank)
     print(f"[{rank}/{world_size}] Running on {socket.gethostname()}, device {device}", flush=True)
-    check_sizes(args, world_size)
-
     dataset = TokenDataset(args)
+    check_sizes(args, world_size, len(dataset))
     sampler = ResumableSampler(dataset, args.global_batch_size)
     dataloader = DataLoader(dataset, batch_size=sampler.batch_size, sampler=sampler)
     model = build_model(args, device)
@@ -149,8 +148,13 @@ def main():
     print(f"shards: {json.dumps(shards)}", flush=True)
 
 
-def check_sizes(args, world_size: int):
-    """Stops with the cause when the model or the batch cannot be split as asked."""
+def check_sizes(args, world_size: int, sequences: int):
+    """Stops with the cause when the model or the batches cannot be split as asked."""
+    if not 1 <= args.global_batch_size <= sequences:
+        raise SystemExit(
+            f"error: --global-batch-size {args.global_batch_size} must be at least 1 and at most "
+            f"the {sequences} sequences of the data, or no epoch holds a whole global batch."
+        )
     if args.dim % args.heads:
         raise SystemExit(
             f"error: --dim {args.dim} does not divide into --heads {args.heads}: each attention "
@@ -179,7 +183,7 @@ def setup(rendezvous_timeout: float):
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     # The store where the processes meet, made here rather than by init_process_group so that
     # joining has its own short timeout: the group's timeout also bounds every collective, and
-    # its default is 30 minutes of silence.
+    # its default is 10 minutes of silence for NCCL and 30 for gloo.
     try:
         store = dist.TCPStore(
             address,
@@ -254,10 +258,11 @@ def get_device(local_rank: int) -> torch.device:
 def mixed_precision(device: torch.device) -> MixedPrecisionPolicy:
     """bf16 compute on GPUs that have it; float32 otherwise.
 
-    The optimizer always updates float32 weights: FSDP2 casts the gathered parameters to bf16
-    for forward and backward, and reduces gradients in float32, so that small updates are not
-    lost. Before compute capability 8.0 (T4, RTX 8000), GPUs have no bf16 arithmetic.
-    On CPUs, gloo's bf16 collectives are unreliable: stay in float32.
+    FSDP2 casts each shard to bf16 before gathering it, so forward, backward and the gathers
+    run in bf16. Gradients are reduce-scattered in float32, so that their sum over processes
+    keeps its precision, and the optimizer updates the float32 shards, so that small updates
+    are not lost. GPUs before compute capability 8.0 (T4, RTX 8000) have no native bf16. On
+    CPUs, stay in float32: gloo's bf16 collectives have failed in some versions of torch.
     """
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -290,7 +295,9 @@ def init_weights(model: nn.Module, seed: int = 0):
 
     Every rank draws each whole parameter from the same seed and keeps its own part, so that
     the weights are the same on any number of processes. The default initialisation of modules
-    would not do: on CPUs, every shard of a parameter would get the same values.
+    would not do: on CPUs, every shard of a parameter would get the same values. The cost: each
+    rank draws the whole model, one parameter at a time, which for billions of parameters takes
+    minutes. (Models that large usually start from pretrained weights, which dcp.load shards.)
     """
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -305,6 +312,7 @@ def init_weights(model: nn.Module, seed: int = 0):
                 full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
             )
             param.copy_(shard)
+            del full, shard  # one whole parameter at a time, on the GPU too
 
 
 class TinyLM(nn.Module):
@@ -394,7 +402,11 @@ class Trainer:
     def resume(self):
         """Loads the latest checkpoint, if there is one, whatever the number of processes."""
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        path = latest_checkpoint(self.checkpoint_dir)
+        # Rank 0 chooses, for all: on a network file system, nodes can list a folder differently
+        # for a while, and ranks that loaded different checkpoints would wait on each other.
+        chosen = [latest_checkpoint(self.checkpoint_dir) if rank == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)
+        path = chosen[0]
         if path is None:
             if rank == 0:
                 print(f"No checkpoint in {self.checkpoint_dir}: a new run", flush=True)
@@ -512,6 +524,7 @@ def local_sizes(model: nn.Module, optimizer) -> dict[str, int]:
 
 # A complete checkpoint's folder. One being written ends in ".tmp".
 CHECKPOINT_NAME = re.compile(r"epoch-(\d+)-step-(\d+)")
+UNFINISHED_NAME = re.compile(r"epoch-\d+-step-\d+\.tmp")
 
 
 def checkpoints(root: Path) -> list[Path]:
@@ -535,8 +548,9 @@ def save_checkpoint(path: Path, state: dict, progress: dict):
     partial = path.with_name(path.name + ".tmp")
     if dist.get_rank() == 0:
         # What saves that were killed half-way left behind.
-        for leftover in path.parent.glob("*.tmp"):
-            shutil.rmtree(leftover)
+        for leftover in path.parent.glob("epoch-*.tmp"):
+            if UNFINISHED_NAME.fullmatch(leftover.name) and leftover.is_dir():
+                shutil.rmtree(leftover)
         partial.mkdir(parents=True)
     dist.barrier()
     # Each rank writes a file of its own and syncs it to disk. Rank 0 then writes the index of
@@ -549,7 +563,10 @@ def save_checkpoint(path: Path, state: dict, progress: dict):
         sync_folder(path.parent)
         for older in checkpoints(path.parent):
             if older != path:
-                shutil.rmtree(older)
+                # Renamed first: a kill during the deletion leaves a leftover, not a checkpoint
+                # that looks complete and is not.
+                doomed = older.rename(older.with_name(older.name + ".tmp"))
+                shutil.rmtree(doomed)
     # No rank goes on, or exits, before the checkpoint is complete.
     dist.barrier()
 
@@ -625,7 +642,7 @@ class TokenDataset(Dataset):
     """
 
     def __init__(self, args):
-        self.length, self.vocab_size = args.seq_len + 1, args.vocab_size
+        self.length = args.seq_len + 1
         if args.data_file is None:
             generator = torch.Generator().manual_seed(0)  # the same data in every process
             start = torch.randint(args.vocab_size, (args.dataset_size, 1), generator=generator)
@@ -641,6 +658,15 @@ class TokenDataset(Dataset):
                 f"error: --data-file {args.data_file} holds {len(self.file)} tokens, fewer than "
                 f"one sequence of --seq-len {args.seq_len} needs. It must hold uint16 token ids."
             )
+        # One pass over the file, now rather than hours into training: on a GPU, an id past the
+        # embedding's end is an opaque device-side assert.
+        chunk = 1 << 24
+        largest = max(int(self.file[i : i + chunk].max()) for i in range(0, len(self.file), chunk))
+        if largest >= args.vocab_size:
+            raise SystemExit(
+                f"error: --data-file {args.data_file} holds token id {largest}, and --vocab-size "
+                f"is {args.vocab_size}. Give the vocabulary size of the tokenizer that made it."
+            )
         self.tokens = None
 
     def __len__(self):
@@ -652,14 +678,7 @@ class TokenDataset(Dataset):
         if self.tokens is not None:
             return self.tokens[index]
         start = index * (self.length - 1)
-        piece = torch.from_numpy(self.file[start : start + self.length].astype(np.int64))
-        if int(piece.max()) >= self.vocab_size:
-            # Caught here: on a GPU, an id past the embedding's end is a device-side assert.
-            raise ValueError(
-                f"token id {int(piece.max())} in --data-file at {start}, but --vocab-size is "
-                f"{self.vocab_size}: give the vocabulary size of the tokenizer that made the file"
-            )
-        return piece
+        return torch.from_numpy(self.file[start : start + self.length].astype(np.int64))
 
 
 if __name__ == "__main__":
