@@ -8,7 +8,7 @@ Over checkpointing:
   parameters at a time to compute with;
 - the model is created on the meta device, without memory, and filled in one parameter at a
   time: no process ever holds the whole model;
-- on GPUs of compute capability 8.0 or newer, the blocks compute in bf16, while the optimizer
+- on GPUs of compute capability 8.0 or newer, the model computes in bf16, while the optimizer
   keeps float32 weights and gradients are reduced in float32. On CPUs, with gloo, all is float32;
 - --global-batch-size fixes the batch of a step over all processes, so that every number of
   processes trains on the same batches: a checkpoint can resume on another number of processes;
