@@ -1,8 +1,8 @@
 """A process killed while it writes a checkpoint leaves the previous checkpoint loadable.
 
-Each checkpointing example's own save function runs in a child process. The state it saves
-holds an object whose pickling blocks, so that the process is killed half-way through writing
-the file, as a node failure or a SIGKILL at the time limit would.
+Each checkpointing example's own save function runs in a child process, the FSDP2 step's too.
+The state it saves holds an object whose pickling blocks, so that the process is killed half-way
+through writing the file, as a node failure or a SIGKILL at the time limit would.
 """
 
 import signal
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from smoke import EXAMPLES_DIR
+from smoke import EXAMPLES_DIR, load_main
 
 PRELUDE = """
 import sys, time
@@ -72,6 +72,44 @@ def test_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, name):
     # And the next save goes through, over the leftover.
     save(name, code, path, version=3)
     assert version_of(torch.load(path, weights_only=True)) == 3
+
+
+# The FSDP2 step writes a folder, with a shard per rank, under a temporary name; here, in a group
+# of one process, a folder per version under `path`.
+SHARDED_SAVE = (
+    'dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)\n'
+    'state = {"weights": torch.full((1000,), float(version)), "extra": extra}\n'
+    'main.save_checkpoint(path / f"epoch-0000-step-{version:08d}", state, {"version": version})\n'
+    "dist.destroy_process_group()"
+)
+
+
+def sharded_weights(folder) -> torch.Tensor:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"weights": torch.zeros(1000)}
+    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    return state["weights"]
+
+
+# Reading a checkpoint without a process group is what sharded_weights means to do.
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_killed_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path):
+    name = "generic/fsdp"
+    fsdp = load_main(name)
+    save(name, SHARDED_SAVE, tmp_path, version=1)
+    save(name, SHARDED_SAVE, tmp_path, version=2, stall=True)
+    # The half-written checkpoint is there, under its temporary name; the latest complete one
+    # is the one before, whole.
+    assert (tmp_path / "epoch-0000-step-00000002.tmp").is_dir()
+    latest = fsdp.latest_checkpoint(tmp_path)
+    assert latest == tmp_path / "epoch-0000-step-00000001"
+    fsdp.check_complete(latest)
+    assert torch.equal(sharded_weights(latest), torch.full((1000,), 1.0))
+    # The next save goes through, clears what the killed one left, and replaces the old one.
+    save(name, SHARDED_SAVE, tmp_path, version=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-0000-step-00000003"]
+    assert torch.equal(sharded_weights(fsdp.latest_checkpoint(tmp_path)), torch.full((1000,), 3.0))
 
 
 def test_killed_mid_save_in_place_loses_the_checkpoint(tmp_path):

@@ -106,6 +106,16 @@ def restart_when_requeued(lab: Lab, job: str, restarts: int):
     )
 
 
+def assert_same_summaries(resumed, uninterrupted, restarts: int) -> list[dict]:
+    """The two ranks of a resumed job report what its uninterrupted twin's do, but for the
+    restart count; returns the resumed job's summaries."""
+    mine, theirs = parse_summaries(resumed.output), parse_summaries(uninterrupted.output)
+    assert [s.pop("restarts") for s in mine] == [restarts] * 2
+    assert [s.pop("restarts") for s in theirs] == [0] * 2
+    assert numbers(mine) == numbers(theirs)
+    return mine
+
+
 def test_a_preempted_job_resumes_exactly(lab, tmp_path):
     name = "generic/checkpointing"
     options = ONE_TASK_PER_NODE
@@ -152,10 +162,7 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path):
     assert_bitwise_equal(
         checkpoint_of(lab, tmp_path / "preempted"), checkpoint_of(lab, tmp_path / "plain")
     )
-    mine, theirs = parse_summaries(preempted.output), parse_summaries(uninterrupted.output)
-    assert [s.pop("restarts") for s in mine] == [3] * 2
-    assert [s.pop("restarts") for s in theirs] == [0] * 2
-    assert numbers(mine) == numbers(theirs)
+    mine = assert_same_summaries(preempted, uninterrupted, restarts=3)
     print(f"preempted at steps {steps} of {mine[0]['steps']}: final state bitwise equal")
 
 
@@ -184,10 +191,7 @@ def test_a_preempted_mila_job_resumes_exactly(lab, tmp_path):
     assert_bitwise_equal(
         checkpoint_of(lab, tmp_path / "preempted"), checkpoint_of(lab, tmp_path / "plain")
     )
-    mine, theirs = parse_summaries(preempted.output), parse_summaries(uninterrupted.output)
-    assert [s.pop("restarts") for s in mine] == [1, 1]
-    assert [s.pop("restarts") for s in theirs] == [0, 0]
-    assert numbers(mine) == numbers(theirs)
+    mine = assert_same_summaries(preempted, uninterrupted, restarts=1)
     print(f"mila: preempted at step {stops[0]} of {mine[0]['steps']}: final state bitwise equal")
 
 
@@ -219,10 +223,7 @@ def test_a_warned_fsdp_job_requeues_itself_and_resumes_exactly(lab, tmp_path):
         load_sharded_checkpoint(scratch / run_name(tmp_path / "warned")),
         load_sharded_checkpoint(scratch / run_name(tmp_path / "plain")),
     )
-    mine, theirs = parse_summaries(warned.output), parse_summaries(uninterrupted.output)
-    assert [s.pop("restarts") for s in mine] == [1, 1]
-    assert [s.pop("restarts") for s in theirs] == [0, 0]
-    assert numbers(mine) == numbers(theirs)
+    mine = assert_same_summaries(warned, uninterrupted, restarts=1)
     print(f"fsdp: warned at step {stops[0]} of {mine[0]['steps']}: final state bitwise equal")
 
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 from smoke import (
     EXAMPLES,
-    EXAMPLES_DIR,
     Launch,
     base_env,
     check_run,
@@ -195,72 +194,6 @@ def test_a_checkpoint_of_2_processes_resumes_on_3(uninterrupted, resharded):
     weights = max((mine["model"][k] - theirs["model"][k]).abs().max().item() for k in mine["model"])
     assert weights <= 1e-5, f"weights differ by {weights:.2e}"
     print(f"2 -> 3 at step {step}: losses within {worst:.1e}, weights {weights:.1e}")
-
-
-# Saves in a process of their own, with the example's save_checkpoint, one per version number.
-# In a version marked "!", one object in the state blocks as it is written, so that the process
-# can be killed half-way through.
-SAVE = """
-import sys, time
-from pathlib import Path
-import torch
-import torch.distributed as dist
-import main
-
-class Stall:
-    def __reduce__(self):
-        print("writing", flush=True)
-        time.sleep(300)
-
-root = Path(sys.argv[1])
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-for version in sys.argv[2:]:
-    stall = version.endswith("!")
-    version = int(version.rstrip("!"))
-    state = {"weights": torch.full((1000,), float(version)), "extra": Stall() if stall else 0}
-    main.save_checkpoint(root / f"epoch-0000-step-{version:08d}", state, {"version": version})
-dist.destroy_process_group()
-"""
-
-
-def save(root: Path, *versions: str):
-    stall = versions[-1].endswith("!")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SAVE, str(root), *versions],
-        cwd=EXAMPLES_DIR / NAME,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    if stall:
-        assert proc.stdout.readline().strip() == "writing"
-        proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=120) == (-signal.SIGKILL if stall else 0)
-
-
-def load_weights(folder: Path) -> torch.Tensor:
-    import torch.distributed.checkpoint as dcp
-
-    state = {"weights": torch.zeros(1000)}
-    dcp.load(state, checkpoint_id=folder, no_dist=True)
-    return state["weights"]
-
-
-# Reading a checkpoint without a process group is what load_weights means to do.
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
-    fsdp = load_main(NAME)
-    save(tmp_path, "1", "2!")
-    # The half-written checkpoint is there, under its temporary name; the latest complete one
-    # is the one before, whole.
-    assert (tmp_path / "epoch-0000-step-00000002.tmp").is_dir()
-    latest = fsdp.latest_checkpoint(tmp_path)
-    assert latest == tmp_path / "epoch-0000-step-00000001"
-    fsdp.check_complete(latest)
-    assert torch.equal(load_weights(latest), torch.full((1000,), 1.0))
-    # The next save goes through, clears what the killed one left, and replaces the old one.
-    save(tmp_path, "3")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-0000-step-00000003"]
-    assert torch.equal(load_weights(fsdp.latest_checkpoint(tmp_path)), torch.full((1000,), 3.0))
 
 
 def run_fails(tmp_path: Path, *args: str, world_size: int = 2, checkpoints: Path | None = None):
