@@ -6,6 +6,7 @@ nox -s lint tests       the test suite, Slurm test cluster included (root; what 
 nox -s slurm            only the tests that submit job.sh files to the Slurm test cluster, all
                         of them on each version; `nox -s "slurm(version='22.05')"` for one
 nox -s docs -- --serve  rebuild the site on every change, served on localhost:8000
+nox -s bench            samples/s of the image_classifier example with each speed setting (GPU)
 """
 
 import os
@@ -61,6 +62,17 @@ def examples(session: nox.Session) -> None:
     """Runs every example in CPU gloo smoke mode, a line of results each."""
     install(session, "examples")
     session.run("python", "tests/smoke.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Samples/s of the image_classifier example as each speed setting is turned on (GPU node).
+
+    `nox -s bench -- --csv bench.csv -- --data-dir DIR` measures your own data's input pipeline;
+    see tests/bench.py.
+    """
+    install(session, "examples")
+    session.run("python", "tests/bench.py", *session.posargs)
 
 
 @nox.session

@@ -53,6 +53,13 @@ FSDP_SMOKE_ARGS = (
     "--epochs", "2", "--dataset-size", "96", "--global-batch-size", "12", "--vocab-size", "64",
     "--seq-len", "16", "--dim", "32", "--heads", "2", "--layers", "2",
 )  # fmt: skip
+# The image classifier: ResNet-18 on 32x32 crops of a generated image folder (tinyimagenet.py) of
+# 5 classes, 130 training and 25 validation images; micro-batches of 4, accumulated 2 by 2.
+IMAGE_SMOKE_ARGS = (
+    "--model", "resnet18", "--image-size", "32", "--batch-size", "4", "--accumulation-steps", "2",
+    "--epochs", "2", "--max-steps", "6", "--warmup-steps", "2", "--log-every", "2",
+)  # fmt: skip
+IMAGE_VAL_SAMPLES = 25
 SPAWN_SMOKE_ARGS = (
     "--synthetic-data", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "4",
     "--lr", "0.001", "--nprocs", "2",
@@ -72,7 +79,8 @@ class Launch:
     procs_per_task: int = 1
     args: tuple[str, ...] = ()
     val_samples: int | None = None  # the validation set's size under `args`
-    dataset: str | None = None  # "tinyimagenet": generate one, and export DATA_DIR to it
+    # "tinyimagenet" or "imagefolder": generate one (tinyimagenet.py), and export DATA_DIR to it
+    dataset: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -110,6 +118,10 @@ EXAMPLES: dict[str, Launch] = {
     "generic/srun_torchrun": Launch("torchrun", nodes=2, args=GENERIC_SMOKE_ARGS),
     "generic/mp_spawn": Launch("python", procs_per_task=2, args=SPAWN_SMOKE_ARGS),
     "generic/any_launcher": Launch("srun", tasks_per_node=2, args=GENERIC_SMOKE_ARGS),
+    "generic/image_classifier": Launch(
+        "srun", nodes=2, args=IMAGE_SMOKE_ARGS,
+        val_samples=IMAGE_VAL_SAMPLES, dataset="imagefolder",
+    ),
 }  # fmt: skip
 
 # Examples that are also run under other launchers than their job.sh's.
@@ -253,6 +265,9 @@ def run_example(
         if launch.dataset == "tinyimagenet":
             tinyimagenet.make(tmpdir / "tinyimagenet")
             data_env["DATA_DIR"] = str(tmpdir / "tinyimagenet")
+        elif launch.dataset == "imagefolder":
+            tinyimagenet.make_folders(tmpdir / "images")
+            data_env["DATA_DIR"] = str(tmpdir / "images")
         for task in range(launch.nodes * launch.tasks_per_node):
             proc_env = base_env()
             proc_env.update(data_env)

@@ -86,7 +86,7 @@ def test_pages_have_no_untested_code_blocks():
                 assert directive or not line.rstrip().endswith("::"), f"literal block: {line}"
 
 
-@pytest.mark.parametrize(("page", "diffs"), [("mila", 6), ("ibex", 4), ("generic", 8)])
+@pytest.mark.parametrize(("page", "diffs"), [("mila", 6), ("ibex", 4), ("generic", 10)])
 def test_diffs_show_relative_paths_and_have_no_copy_button(html, page, diffs):
     text = (html / "clusters" / f"{page}.html").read_text()
     assert text.count('class="highlight-udiff') == diffs

@@ -8,7 +8,9 @@
     root/val/val_annotations.txt              file, tab, class ID, tab, bounding box
 
 The Ibex examples read it with their real loading code: ImageFolder for train/, and the
-annotations file for val/. Each class has its own colour, so a model can learn it quickly.
+annotations file for val/. make_folders() writes the simpler layout of one folder per class,
+train/ and val/ alike, for the generic image_classifier example. Each class has its own colour,
+so a model can learn it quickly.
 """
 
 from __future__ import annotations
@@ -53,6 +55,22 @@ def make(root: Path, classes: int = 5, train_per_class: int = 12, val_per_class:
         lines.append(f"{name}\t{wnid}\t0\t0\t{SIZE - 1}\t{SIZE - 1}\n")
     (root / "val" / "val_annotations.txt").write_text("".join(lines))
     return truth
+
+
+def make_folders(root: Path, classes: int = 5, train_per_class: int = 26, val_per_class: int = 5):
+    """Writes train/<class>/ and val/<class>/ under `root`: the layout ImageFolder reads.
+
+    That is the generic image_classifier example's input, as for ImageNet once its validation
+    images are sorted into class folders.
+    """
+    rng = random.Random(1)
+    for c in range(classes):
+        colour = tuple(rng.randrange(256) for _ in range(3))
+        for split, count in (("train", train_per_class), ("val", val_per_class)):
+            folder = root / split / f"class_{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                _image(colour, rng).save(folder / f"{split}_{c}_{i}.JPEG", "JPEG")
 
 
 def _image(colour: tuple[int, int, int], rng: random.Random) -> Image.Image:
