@@ -3,7 +3,8 @@
 Each row runs `main.py --benchmark N` as a single process, with one more setting than the row
 before, and reports two rates: the input pipeline alone (DataLoader to GPU, no training), and
 the training step alone, on one batch already on the GPU: the ceiling. Training runs at about
-the smaller of the two. Rows of settings that apply only to GPUs are left out without one.
+the smaller of the two. Rows of settings that this machine cannot use are left out: those for
+GPUs without a GPU, and bf16 on GPUs older than compute capability 8.0.
 
     nox -s bench                                   # ResNet-50 at 224 px, synthetic images
     nox -s bench -- --csv bench.csv -- --data-dir /path/to/imagenet
@@ -27,14 +28,14 @@ from pathlib import Path
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "generic" / "image_classifier"
 
 # The settings in the order the rows turn them on, each row keeping those above it: the
-# arguments that turn it off, those that turn it on, and whether it needs a GPU.
+# arguments that turn it off, those that turn it on, and what it needs ("gpu", "bf16" or None).
 SETTINGS = [
-    ("DataLoader workers", ["--num-workers", "0"], [], False),
-    ("pinned memory", ["--no-pin-memory"], [], True),
-    ("channels_last", ["--no-channels-last"], [], True),
-    ("cudnn.benchmark", ["--no-cudnn-benchmark"], [], True),
-    ("bf16 autocast", ["--no-bf16"], [], True),
-    ("torch.compile", [], ["--compile"], True),
+    ("DataLoader workers", ["--num-workers", "0"], [], None),
+    ("pinned memory", ["--no-pin-memory"], [], "gpu"),
+    ("channels_last", ["--no-channels-last"], [], "gpu"),
+    ("cudnn.benchmark", ["--no-cudnn-benchmark"], [], "gpu"),
+    ("bf16 autocast", ["--no-bf16"], ["--bf16"], "bf16"),
+    ("torch.compile", [], ["--compile"], "gpu"),
 ]
 # Variables that would make main.py take this process for one task of a launch.
 LAUNCH_VARIABLES = (
@@ -43,23 +44,24 @@ LAUNCH_VARIABLES = (
 )  # fmt: skip
 
 
-def rows() -> list[tuple[str, list[str], bool]]:
-    """(label, main.py arguments, needs a GPU) of each row: everything off, then one more on."""
+def rows() -> list[tuple[str, list[str], str | None]]:
+    """(label, main.py arguments, what it needs) of each row: everything off, then one more on."""
     table = []
     for k in range(len(SETTINGS) + 1):
         on = [arg for _, _, on_args, _ in SETTINGS[:k] for arg in on_args]
         off = [arg for _, off_args, _, _ in SETTINGS[k:] for arg in off_args]
         label = "everything off" if k == 0 else f"+ {SETTINGS[k - 1][0]}"
-        table.append((label, on + off, k > 0 and SETTINGS[k - 1][3]))
+        table.append((label, on + off, SETTINGS[k - 1][3] if k > 0 else None))
     return table
 
 
-def has_gpu() -> bool:
-    if os.environ.get("TRAIN_ON_CPU") == "1":
-        return False
+def capabilities() -> set[str]:
+    """What this machine offers the rows: "gpu", and "bf16" on compute capability 8.0 or newer."""
     import torch
 
-    return torch.cuda.is_available()
+    if os.environ.get("TRAIN_ON_CPU") == "1" or not torch.cuda.is_available():
+        return set()
+    return {"gpu", "bf16"} if torch.cuda.get_device_capability() >= (8, 0) else {"gpu"}
 
 
 def run_row(settings: list[str], steps: int, main_args: list[str]) -> dict:
@@ -82,10 +84,11 @@ def main() -> int:
     if "--data-dir" not in main_args and "--synthetic-data" not in main_args:
         main_args = ["--synthetic-data", *main_args]
 
-    gpu = has_gpu()
+    has = capabilities()
+    gpu = "gpu" in has
     records = []
-    for label, settings, needs_gpu in rows():
-        if needs_gpu and not gpu:
+    for label, settings, needs in rows():
+        if needs is not None and needs not in has:
             continue
         record = run_row(settings, args.steps, main_args)
         record["setting"] = label
@@ -99,6 +102,7 @@ def main() -> int:
         f"{first['model']}, {first['image_size']} px, batch {first['batch_size']}, "
         f"{first['device']}, torch {torch.__version__}, CUDA {torch.version.cuda}"
         + ("" if gpu else "; no GPU: the GPU-only rows are left out")
+        + ("" if not gpu or "bf16" in has else "; no bf16 on this GPU: its row is left out")
     )
     columns = ["setting", "num_workers", "input_samples_per_s", "step_samples_per_s"]
     if gpu:

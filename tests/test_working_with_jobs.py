@@ -79,13 +79,18 @@ def test_salloc_session_trains_on_every_node_with_labels_and_a_log_per_rank(lab,
     lines = result.stdout.splitlines()
     # Without LaunchParameters=use_interactive_step, the shell runs where salloc was typed.
     assert lines[0] not in NODES
-    # --label: every line of the first run starts with its task's number.
-    labelled = [ln for ln in lines[1:] if ln.startswith(("0: ", "1: "))]
-    summaries = parse_summaries("\n".join(ln[3:] for ln in labelled if "summary:" in ln))
+    # --label: each line of the first run, on stdout (the summaries) and on stderr (the log),
+    # starts with the number of the task that printed it. The second run writes to files only.
+    summaries = parse_summaries("\n".join(ln[3:] for ln in lines if "summary:" in ln))
     assert [(s["rank"], s["host"]) for s in summaries] == [(0, "cn1"), (1, "cn2")]
-    for line in labelled:
-        rank = line[0]
-        assert f"[{rank}/2]" in line or "summary:" in line, line
+    for line in lines:
+        if "summary:" in line:
+            [summary] = parse_summaries(line[3:])
+            assert line.startswith(f"{summary['rank']}: summary:"), line
+    logged = [ln for ln in result.stderr.splitlines() if re.search(r"\[\d/2\]", ln)]
+    assert {ln[:3] for ln in logged} == {"0: ", "1: "}, result.stderr
+    for line in logged:
+        assert f"[{line[0]}/2]" in line, line
     # --output=rank-%t.log: one file per rank, each with that rank's lines only.
     for rank, node in enumerate(["cn1", "cn2"]):
         log = (tmp_path / f"rank-{rank}.log").read_text()
@@ -111,16 +116,18 @@ def test_squeue_and_scontrol_show_a_running_job(lab, tmp_path):
         run(lab, f"scancel {job_id}")
 
 
-def test_srun_overlap_reaches_every_node_of_a_busy_job(lab, tmp_path):
+def test_srun_overlap_reaches_every_node_of_a_busy_job_and_its_gpus(lab, tmp_path):
     job_id = hold_all_cpus(lab, tmp_path)
     try:
         line = command("jobs.md", "srun --jobid=").replace(JOB_ID, job_id)
         assert line.endswith(" nvidia-smi")
         start = time.monotonic()
-        # The test nodes have no GPUs: hostname stands in for nvidia-smi.
-        result = run(lab, line.replace("nvidia-smi", "hostname"))
+        # The test nodes' GPUs are stand-ins that nvidia-smi cannot read: this shows which GPUs
+        # the step was given, those of the job on its node.
+        shows = """bash -c 'echo "$(hostname) $CUDA_VISIBLE_DEVICES"'"""
+        result = run(lab, line.replace("nvidia-smi", shows))
         assert result.returncode == 0, result.stderr
-        assert sorted(result.stdout.split()) == ["cn1", "cn2"]
+        assert sorted(result.stdout.splitlines()) == ["cn1 0,1", "cn2 0,1"]
         assert time.monotonic() - start < 10
         # Without --overlap, the same step waits for the CPUs that the job's step holds.
         waiting = run(
@@ -133,11 +140,11 @@ def test_srun_overlap_reaches_every_node_of_a_busy_job(lab, tmp_path):
 
 
 def hold_all_cpus(lab, tmp_path) -> str:
-    """A running job whose step holds every CPU of its two nodes; returns its ID."""
+    """A running job whose step holds every CPU and two GPUs of each of its two nodes."""
     script = tmp_path / "hold.sh"
     script.write_text(
         "#!/bin/bash\n#SBATCH --job-name=hold --nodes=2 --ntasks-per-node=2 --cpus-per-task=16\n"
-        "srun sleep 120\n"
+        "#SBATCH --gpus-per-node=2\nsrun sleep 120\n"
     )
     job_id = lab.sbatch(script, site="generic", workdir=tmp_path)
     deadline = time.monotonic() + 30

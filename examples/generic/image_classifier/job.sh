@@ -31,7 +31,9 @@ export DATA_DIR=$SCRATCH/data/imagenet
 scontrol show job "$SLURM_JOB_ID"
 # NCCL_DEBUG=WARN logs NCCL's warnings and errors only; INFO logs the network and GPU links it
 # picks at start, to debug a slow or hanging job. PYTHONFAULTHANDLER=1 prints each thread's
-# Python stack when a process crashes or is killed, so a hang that ends in a timeout shows where.
+# Python stack when a process dies of a fatal signal, such as the abort by which NCCL's watchdog
+# ends a collective that timed out: a hang that ends that way shows where. (SIGTERM and SIGKILL
+# print nothing.)
 export NCCL_DEBUG=WARN
 export PYTHONFAULTHANDLER=1
 # The processes get their parallelism from DataLoader workers and the GPU; one OpenMP thread

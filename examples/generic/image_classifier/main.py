@@ -48,17 +48,17 @@ logger = logging.getLogger(__name__)
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--epochs", type=int, default=90)
+    parser.add_argument("--epochs", type=positive, default=90)
     # The batch size per process and micro-batch: each optimizer step trains on
     # batch_size * accumulation_steps * world_size samples in all.
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--accumulation-steps", type=int, default=1)
+    parser.add_argument("--batch-size", type=positive, default=128)
+    parser.add_argument("--accumulation-steps", type=positive, default=1)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--warmup-steps", type=int, default=500, help="in optimizer steps")
+    parser.add_argument("--warmup-steps", type=positive, default=500, help="in optimizer steps")
     parser.add_argument("--weight-decay", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    parser.add_argument("--log-every", type=int, default=50, help="optimizer steps between logs")
+    parser.add_argument("--max-steps", type=positive, default=None, help="stop after this many")
+    parser.add_argument("--log-every", type=positive, default=50, help="steps between log lines")
     parser.add_argument("--model", default="resnet50", help="a torchvision model name")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument(
@@ -90,7 +90,7 @@ def main():
     )
     parser.add_argument(
         "--benchmark",
-        type=int,
+        type=positive,
         metavar="N",
         default=None,
         help="time N batches of the input pipeline, then N training steps, instead of training",
@@ -143,7 +143,8 @@ def main():
         # Pinned (page-locked) host memory lets a copy to the GPU run without blocking this
         # process, which can then prepare the next step while the copy runs.
         "pin_memory": speed["pin_memory"],
-        # Workers that stay between epochs keep their copy of the dataset and start no one anew.
+        # Workers that stay from one epoch to the next keep their copy of the dataset: no new
+        # ones start, each copying it again, at every epoch.
         "persistent_workers": speed["num_workers"] > 0,
     }
     # Each process seeds its own workers: with one seed everywhere, a random augmentation would
@@ -203,7 +204,8 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             step += 1
             meter.add(loss, samples=args.batch_size * args.accumulation_steps)
-            if step % args.log_every == 0 or step == total_steps:
+            end_of_epoch = step == total_steps or step % steps_per_epoch == 0
+            if step % args.log_every == 0 or end_of_epoch:
                 report = meter.report(world_size)
                 first_loss = report["loss"] if first_loss is None else first_loss
                 last_loss = report["loss"]
@@ -217,8 +219,6 @@ def main():
                     )
             if step == total_steps:
                 break
-        # Stop the epoch's iterator before validation; its persistent workers are kept.
-        del batches
 
         logger.info(f"Epoch {epoch}: validation")
         val_loss, val_accuracy, val_samples = validation_loop(
@@ -231,6 +231,8 @@ def main():
             )
         if step == total_steps:
             break
+        # The next log line counts training only, not this validation.
+        meter.start()
 
     # One plain line per process to grep from the job's output: the numbers should agree.
     summary = {
@@ -245,6 +247,14 @@ def main():
         "val_samples": val_samples,
     }
     print(f"summary: {json.dumps(summary)}", flush=True)
+
+
+def positive(text: str) -> int:
+    """An argument that must be a whole number above zero, or argparse stops with the reason."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
 
 
 def build_model(name: str, num_classes: int) -> nn.Module:
@@ -307,7 +317,8 @@ def check_dataset(data_dir: Path | None):
     if missing:
         raise SystemExit(
             f"error: {data_dir} has no {' or '.join(missing)} folder. The dataset must be laid out "
-            "as train/<class>/<image> and val/<class>/<image>.\n"
+            "as train/<class>/<image> and val/<class>/<image>; check DATA_DIR in job.sh (and the "
+            "variables it is made of, such as $SCRATCH), or pass --data-dir.\n"
             "To try the job without a dataset, add --synthetic-data."
         )
 
@@ -435,8 +446,10 @@ class ThroughputMeter:
 
     def report(self, world_size: int) -> dict:
         """Means over the steps since the last report and over all processes; starts anew."""
+        # The GPU may still run steps that this process queued: the time counts until they end.
+        synchronize(self.device)
         elapsed = time.perf_counter() - self.started
-        # One all_reduce for everything; reading its result waits for the GPU, once per report.
+        # One all_reduce for everything, once per report.
         sums = torch.tensor(
             [0.0, self.samples / elapsed, self.data_wait / elapsed], device=self.device
         )
@@ -459,14 +472,17 @@ def benchmark(train_model, optimizer, dataloader, device, speed: dict, n: int) -
     one batch already on the GPU, again and again: the ceiling, which no input pipeline can
     beat. Training runs at about the smaller of the two.
     """
-    if len(dataloader) < n + 1:
+    # Untimed: the workers start, and the batches they prefetch (two each) are taken, so that the
+    # timed ones are those the workers make while they are timed.
+    untimed = max(2 * dataloader.num_workers, 1)
+    if len(dataloader) < untimed + n:
         raise SystemExit(
-            f"error: --benchmark {n} times {n} batches after a first one, but the training set "
-            f"has {len(dataloader)} batches of {dataloader.batch_size}. Ask for fewer."
+            f"error: --benchmark {n} times {n} batches after {untimed} untimed ones, but the "
+            f"training set has {len(dataloader)} batches of {dataloader.batch_size}. Ask for fewer."
         )
     batches = iter(dataloader)
-    # Untimed: the workers start, and the first batch fills their queues.
-    x, y = to_device(next(batches), device, speed)
+    for _ in range(untimed):
+        x, y = to_device(next(batches), device, speed)
     synchronize(device)
     begin = time.perf_counter()
     for _ in range(n):
@@ -622,13 +638,15 @@ def validation_loop(model: nn.Module, dataloader: DataLoader, device: torch.devi
 
 
 def get_num_workers() -> int:
-    """DataLoader workers: one per CPU this process may run on, less one for the process itself."""
+    """DataLoader workers: this process's share of its task's CPUs, less one for the process."""
     # The CPUs that Slurm bound the task to. Where a site does not bind tasks to CPUs, that is the
-    # whole node: keep to what the job asked for as well.
-    cpus = len(os.sched_getaffinity(0))
+    # whole node: keep to what the job asked for as well. (macOS has no affinity: all its CPUs.)
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
     if "SLURM_CPUS_PER_TASK" in os.environ:
         cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
-    return max(cpus - 1, 0)
+    # torchrun's processes share their task's CPUs.
+    return max(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
 
 
 if __name__ == "__main__":

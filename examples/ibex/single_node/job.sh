@@ -30,7 +30,8 @@ export DATA_DIR=/ibex/ai/reference/CV/tinyimagenet
 # NCCL_DEBUG=WARN logs NCCL's warnings and errors only. To debug a slow or hanging job, set
 # INFO: it logs the network and GPU links NCCL picks at start (the troubleshooting page
 # says which lines to read). PYTHONFAULTHANDLER=1 prints each thread's Python stack when a
-# process crashes or is killed, so a hang that ends in a timeout shows where.
+# process dies of a fatal signal, such as the abort by which NCCL's watchdog ends a collective
+# that timed out: a hang that ends that way shows where. (SIGTERM and SIGKILL print nothing.)
 export NCCL_DEBUG=WARN
 export PYTHONFAULTHANDLER=1
 # The processes get their parallelism from DataLoader workers and the GPU; one OpenMP thread
