@@ -12,7 +12,9 @@ GPUs without a GPU, and bf16 on GPUs older than compute capability 8.0.
 
 Arguments after `--` go to main.py. With --data-dir, the input pipeline decodes and augments
 your JPEGs, which is what it costs in training; synthetic images cost next to nothing to make.
-Run it on a GPU node: `srun --gpus=1 --cpus-per-task=8 --pty nox -s bench`, say.
+Run it on a GPU node. Compute nodes often cannot reach the package index: create the session's
+environment on a login node first (`nox -s bench --install-only`), then reuse it in a job step,
+`srun --ntasks=1 --gpus=1 --cpus-per-task=8 nox -R -s bench`, say.
 """
 
 from __future__ import annotations

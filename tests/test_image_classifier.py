@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import bench
 import pytest
 import tinyimagenet
 from smoke import EXAMPLES, EXAMPLES_DIR, base_env, check_run, load_main, run_example
@@ -187,9 +188,6 @@ def test_benchmark_reports_both_rates_for_each_row(tmp_path):
 
 
 def test_benchmark_rows_turn_on_one_setting_each():
-    sys.path.insert(0, str(ROOT / "tests"))
-    import bench
-
     rows = bench.rows()
     assert len(rows) == len(bench.SETTINGS) + 1
     assert rows[0][1] == [arg for _, off, _, _ in bench.SETTINGS for arg in off]
