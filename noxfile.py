@@ -1,12 +1,15 @@
 """Sessions for the guide.
 
-nox -s examples docs    every example in CPU smoke mode, then the site
-nox -s lint tests       the test suite, Slurm test cluster included (root; what .ci/run runs):
+nox -s examples docs    every example in CPU smoke mode, then the site nox -s lint tests
+the test suite, Slurm test cluster included (root; what .ci/run runs):
                         everything on Slurm 24.11, then the every_version tests on 22.05
-nox -s slurm            only the tests that submit job.sh files to the Slurm test cluster, all
-                        of them on each version; `nox -s "slurm(version='22.05')"` for one
-nox -s docs -- --serve  rebuild the site on every change, served on localhost:8000
-nox -s bench            samples/s of the image_classifier example with each speed setting (GPU)
+nox -s slurm            only the tests that submit job.sh
+files to the Slurm test cluster, all
+                        of them on each version;
+                        `nox -s "slurm(version='22.05')"` for one
+nox -s docs -- --serve  rebuild the site on every change,
+served on localhost:8000 nox -s bench            samples/s of
+the image_classifier example with each speed setting (GPU)
 """
 
 import os
@@ -34,16 +37,19 @@ SITE_SCRIPTS = sorted(
 def pip_config(key: str) -> str:
     try:
         out = subprocess.run(
-            ["python3", "-m", "pip", "config", "get", key], capture_output=True, text=True
+            ["python3", "-m", "pip", "config", "get", key],
+            capture_output=True,
+            text=True,
         )
     except OSError:
         return ""
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
-# uv ignores pip's configuration. Where pip is set up with extra indexes or a wheel folder (on
-# this project's machines, torch lies on local disk there), give uv the same ones, or it
-# downloads several GB of CUDA wheels. Bytecode: without it every torch import takes 10 s.
+# uv ignores pip's configuration. Where pip is set up with extra
+# indexes or a wheel folder (on this project's machines, torch lies on
+# local disk there), give uv the same ones, or it downloads several GB
+# of CUDA wheels. Bytecode: without it every torch import takes 10 s.
 for variable, key in [
     ("UV_EXTRA_INDEX_URL", "global.extra-index-url"),
     ("UV_FIND_LINKS", "global.find-links"),
@@ -66,10 +72,11 @@ def examples(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Samples/s of the image_classifier example as each speed setting is turned on (GPU node).
+    """Samples/s of the image_classifier example as each
+    speed setting is turned on (GPU node).
 
-    `nox -s bench -- --csv bench.csv -- --data-dir DIR` measures your own data's input pipeline;
-    see tests/bench.py.
+    `nox -s bench -- --csv bench.csv -- --data-dir DIR` measures
+    your own data's input pipeline; see tests/bench.py.
     """
     install(session, "examples")
     session.run("python", "tests/bench.py", *session.posargs)
@@ -81,7 +88,9 @@ def docs(session: nox.Session) -> None:
     install(session, "docs")
     if "--serve" in session.posargs:
         session.install("sphinx-autobuild")
-        session.run("sphinx-autobuild", "--watch", "examples", "docs", "docs/_build/html")
+        session.run(
+            "sphinx-autobuild", "--watch", "examples", "docs", "docs/_build/html"
+        )
         return
     shutil.rmtree(ROOT / "docs" / "_build", ignore_errors=True)
     session.run(
@@ -92,7 +101,8 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff on the Python files, shellcheck on every job.sh and on the test sites' scripts."""
+    """ruff on the Python files, shellcheck on every job.sh
+    and on the test sites' scripts."""
     install(session, "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -101,15 +111,18 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole test suite, with the Slurm tests (which need root), on both Slurm versions.
+    """The whole test suite, with the Slurm tests (which
+    need root), on both Slurm versions.
 
-    Slurm 24.11, the version clusters run, gets every test. Slurm 22.05 gets the tests marked
-    every_version: each job.sh to completion and through sbatch --test-only, the nodes' names
-    and addresses, the variable table, and the version differences.
+    Slurm 24.11, the version clusters run, gets every test. Slurm 22.05 gets the tests
+    marked every_version: each job.sh to completion and through sbatch --test-only, the
+    nodes' names and addresses, the variable table, and the version differences.
     """
     install(session, "test")
     session.run("pytest", *session.posargs)
-    session.run("pytest", "-m", "every_version", "--slurm-version=22.05", *session.posargs)
+    session.run(
+        "pytest", "-m", "every_version", "--slurm-version=22.05", *session.posargs
+    )
 
 
 @nox.session

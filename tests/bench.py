@@ -1,19 +1,22 @@
-"""Samples/s of the image_classifier example, as each speed setting is turned on in turn.
+"""Samples/s of the image_classifier example, as each speed
+setting is turned on in turn.
 
-Each row runs `main.py --benchmark N` as a single process, with one more setting than the row
-before, and reports two rates: the input pipeline alone (DataLoader to GPU, no training), and
-the training step alone, on one batch already on the GPU: the ceiling. Training runs at about
-the smaller of the two. Rows of settings that this machine cannot use are left out: those for
+Each row runs `main.py --benchmark N` as a single process, with one more
+setting than the row before, and reports two rates: the input pipeline alone
+(DataLoader to GPU, no training), and the training step alone, on one batch
+already on the GPU: the ceiling. Training runs at about the smaller of the
+two. Rows of settings that this machine cannot use are left out: those for
 GPUs without a GPU, and bf16 on GPUs older than compute capability 8.0.
 
-    nox -s bench                                   # ResNet-50 at 224 px, synthetic images
-    nox -s bench -- --csv bench.csv -- --data-dir /path/to/imagenet
-    python tests/bench.py --steps 20 -- --model resnet18 --batch-size 64
+    nox -s bench                                   # ResNet-50 at 224 px, synthetic
+    images nox -s bench -- --csv bench.csv -- --data-dir /path/to/imagenet python
+    tests/bench.py --steps 20 -- --model resnet18 --batch-size 64
 
-Arguments after `--` go to main.py. With --data-dir, the input pipeline decodes and augments
-your JPEGs, which is what it costs in training; synthetic images cost next to nothing to make.
-Run it on a GPU node. Compute nodes often cannot reach the package index: create the session's
-environment on a login node first (`nox -s bench --install-only`), then reuse it in a job step,
+Arguments after `--` go to main.py. With --data-dir, the input pipeline decodes and
+augments your JPEGs, which is what it costs in training; synthetic images cost next to
+nothing to make. Run it on a GPU node. Compute nodes often cannot reach the package
+index: create the session's environment on a login node first
+(`nox -s bench --install-only`), then reuse it in a job step,
 `srun --ntasks=1 --gpus=1 --cpus-per-task=8 nox -R -s bench`, say.
 """
 
@@ -27,10 +30,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "generic" / "image_classifier"
+EXAMPLE = (
+    Path(__file__).resolve().parent.parent / "examples" / "generic" / "image_classifier"
+)
 
-# The settings in the order the rows turn them on, each row keeping those above it: the
-# arguments that turn it off, those that turn it on, and what it needs ("gpu", "bf16" or None).
+# The settings in the order the rows turn them on, each row
+# keeping those above it: the arguments that turn it off, those
+# that turn it on, and what it needs ("gpu", "bf16" or None).
 SETTINGS = [
     ("DataLoader workers", ["--num-workers", "0"], [], None),
     ("pinned memory", ["--no-pin-memory"], [], "gpu"),
@@ -47,7 +53,8 @@ LAUNCH_VARIABLES = (
 
 
 def rows() -> list[tuple[str, list[str], str | None]]:
-    """(label, main.py arguments, what it needs) of each row: everything off, then one more on."""
+    """(label, main.py arguments, what it needs) of each
+    row: everything off, then one more on."""
     table = []
     for k in range(len(SETTINGS) + 1):
         on = [arg for _, _, on_args, _ in SETTINGS[:k] for arg in on_args]
@@ -58,7 +65,8 @@ def rows() -> list[tuple[str, list[str], str | None]]:
 
 
 def capabilities() -> set[str]:
-    """What this machine offers the rows: "gpu", and "bf16" on compute capability 8.0 or newer."""
+    """What this machine offers the rows: "gpu", and "bf16"
+    on compute capability 8.0 or newer."""
     import torch
 
     if os.environ.get("TRAIN_ON_CPU") == "1" or not torch.cuda.is_available():
@@ -68,9 +76,20 @@ def capabilities() -> set[str]:
 
 def run_row(settings: list[str], steps: int, main_args: list[str]) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    command = [sys.executable, "main.py", "--benchmark", str(steps), *settings, *main_args]
-    result = subprocess.run(command, cwd=EXAMPLE, env=env, capture_output=True, text=True)
-    line = next((ln for ln in result.stdout.splitlines() if ln.startswith("benchmark: ")), None)
+    command = [
+        sys.executable,
+        "main.py",
+        "--benchmark",
+        str(steps),
+        *settings,
+        *main_args,
+    ]
+    result = subprocess.run(
+        command, cwd=EXAMPLE, env=env, capture_output=True, text=True
+    )
+    line = next(
+        (ln for ln in result.stdout.splitlines() if ln.startswith("benchmark: ")), None
+    )
     if result.returncode != 0 or line is None:
         sys.exit(f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}")
     return json.loads(line[len("benchmark: ") :])
@@ -78,7 +97,9 @@ def run_row(settings: list[str], steps: int, main_args: list[str]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=50, help="timed batches per measurement")
+    parser.add_argument(
+        "--steps", type=int, default=50, help="timed batches per measurement"
+    )
     parser.add_argument("--csv", type=Path, help="also write the table to this file")
     parser.add_argument("main_args", nargs="*", help="arguments for main.py, after --")
     args = parser.parse_args()
@@ -104,7 +125,11 @@ def main() -> int:
         f"{first['model']}, {first['image_size']} px, batch {first['batch_size']}, "
         f"{first['device']}, torch {torch.__version__}, CUDA {torch.version.cuda}"
         + ("" if gpu else "; no GPU: the GPU-only rows are left out")
-        + ("" if not gpu or "bf16" in has else "; no bf16 on this GPU: its row is left out")
+        + (
+            ""
+            if not gpu or "bf16" in has
+            else "; no bf16 on this GPU: its row is left out"
+        )
     )
     columns = ["setting", "num_workers", "input_samples_per_s", "step_samples_per_s"]
     if gpu:
@@ -113,7 +138,8 @@ def main() -> int:
     print("|" + "---|" * len(columns))
     for record in records:
         cells = [
-            f"{record[c]:.1f}" if isinstance(record[c], float) else str(record[c]) for c in columns
+            f"{record[c]:.1f}" if isinstance(record[c], float) else str(record[c])
+            for c in columns
         ]
         print("| " + " | ".join(cells) + " |")
     if args.csv:

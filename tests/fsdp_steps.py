@@ -1,13 +1,15 @@
-"""One rank of the FSDP2 example, run by its own main(), recording each step for the tests.
+"""One rank of the FSDP2 example, run by its own main(),
+recording each step for the tests.
 
 test_fsdp.py starts this once per rank, with the variables that srun gives a task, as
-smoke.py starts main.py. After every training step, all ranks gather the full gradients and
-parameters from their shards, and rank 0 writes them, a list over steps, to the file named by
-the first argument. The other arguments are main.py's.
+smoke.py starts main.py. After every training step, all ranks gather the full gradients
+and parameters from their shards, and rank 0 writes them, a list over steps, to the file
+named by the first argument. The other arguments are main.py's.
 
-With FSDP_REFERENCE=1, in one process, the model is trained without FSDP2: the reference.
-With FSDP_AVG_AS_SUM=1, the reduce-scatter of gradients sums where FSDP2 asks it to average:
-the silent bug that test_fsdp.py must catch (pytorch#162338: gloo once did just that).
+With FSDP_REFERENCE=1, in one process, the model is trained without
+FSDP2: the reference. With FSDP_AVG_AS_SUM=1, the reduce-scatter of
+gradients sums where FSDP2 asks it to average: the silent bug that
+test_fsdp.py must catch (pytorch#162338: gloo once did just that).
 """
 
 import gc
@@ -31,8 +33,9 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def recording_run_batch(self, tokens):
     loss = run_batch(self, tokens)
-    # full_tensor() gathers a tensor from every rank's shard: all ranks take part. On one rank it
-    # may return the tensor itself, which later steps change in place: hence the copies.
+    # full_tensor() gathers a tensor from every rank's shard: all
+    # ranks take part. On one rank it may return the tensor
+    # itself, which later steps change in place: hence the copies.
     named = list(self.model.named_parameters())
     steps.append(
         {
@@ -46,7 +49,8 @@ def recording_run_batch(self, tokens):
 fsdp.Trainer._run_batch = recording_run_batch
 
 if os.environ.get("FSDP_AVG_AS_SUM") == "1":
-    # FSDP2 reduce-scatters gradients with dist.reduce_scatter_single: make its average a sum.
+    # FSDP2 reduce-scatters gradients with
+    # dist.reduce_scatter_single: make its average a sum.
     reduce_scatter = dist.reduce_scatter_single
 
     def summing_reduce_scatter(*args, op=dist.ReduceOp.SUM, **kwargs):
@@ -57,14 +61,18 @@ if os.environ.get("FSDP_AVG_AS_SUM") == "1":
     dist.reduce_scatter_single = summing_reduce_scatter
 
 if os.environ.get("FSDP_REFERENCE") == "1":
-    # The reference for the others: the model without FSDP2, in one process, starting from the
-    # weights that FSDP2 would start from.
+    # The reference for the others: the model without FSDP2, in one process, starting
+    # from the weights that FSDP2 would start from.
     build_sharded = fsdp.build_model
 
     def build_plain_model(args, device):
         sharded = build_sharded(args, device)
-        plain = fsdp.TinyLM(args.vocab_size, args.seq_len, args.dim, args.heads, args.layers)
-        plain.load_state_dict({name: p.full_tensor() for name, p in sharded.named_parameters()})
+        plain = fsdp.TinyLM(
+            args.vocab_size, args.seq_len, args.dim, args.heads, args.layers
+        )
+        plain.load_state_dict(
+            {name: p.full_tensor() for name, p in sharded.named_parameters()}
+        )
         return plain
 
     fsdp.build_model = build_plain_model

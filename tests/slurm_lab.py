@@ -1,27 +1,31 @@
-"""A real Slurm cluster on this machine: one controller and two compute nodes, of either version.
+"""A real Slurm cluster on this machine: one controller and
+two compute nodes, of either version.
 
-Each node is a slurmd in its own network, UTS and mount namespace, so it has its own hostname
-and IP address, as on a real cluster: `hostname -I`, `scontrol show hostnames`, `srun -w` and a
-MASTER_ADDR of the first node behave as they would there, and ranks on two nodes talk over TCP.
-Fake typed GPUs (character devices standing in for /dev/nvidia*) and node features make the
-scripts' `--gpus-per-node`, `--gpus` and `--constraint` requests valid as written.
+Each node is a slurmd in its own network, UTS and mount namespace, so it has its own
+hostname and IP address, as on a real cluster: `hostname -I`, `scontrol show hostnames`,
+`srun -w` and a MASTER_ADDR of the first node behave as they would there, and ranks on
+two nodes talk over TCP. Fake typed GPUs (character devices standing in for
+/dev/nvidia*) and node features make the scripts' `--gpus-per-node`, `--gpus` and
+`--constraint` requests valid as written.
 
 Two Slurm versions, chosen by `Lab(version=...)`:
-- 24.11 (the default), what clusters run today: Debian 13's packages, in a Debian 13 root made
-  once with debootstrap and kept in /var/cache. Its daemons and commands run inside that root
-  (chroot), with the host folders that jobs use mounted at the same paths: /proc, /sys, /dev,
-  /tmp, /etc/hosts, the project and the Python. `Lab.env()` puts wrappers first on PATH that
-  run the commands (sbatch, srun, ...) there.
+- 24.11 (the default), what clusters run today: Debian 13's packages, in a Debian 13
+  root made once with debootstrap and kept in /var/cache. Its daemons and commands run
+  inside that root (chroot), with the host folders that jobs use mounted at the same
+  paths: /proc, /sys, /dev, /tmp, /etc/hosts, the project and the Python. `Lab.env()`
+  puts wrappers first on PATH that run the commands (sbatch, srun, ...) there.
 - 22.05: Debian 12's packages, installed on this machine itself.
 
-A site profile (tests/sites/<name>/) supplies what a cluster gives its jobs: the `module` and
-`conda` commands, dataset folders, and `$SLURM_TMPDIR`. The job scripts are submitted unchanged.
+A site profile (tests/sites/<name>/) supplies what a cluster gives
+its jobs: the `module` and `conda` commands, dataset folders, and
+`$SLURM_TMPDIR`. The job scripts are submitted unchanged.
 
-Used by the test suite, and by hand as root, with a Python that has the examples' dependencies
-(the profiles hand it to the jobs), e.g. .nox/tests/bin/python:
+Used by the test suite, and by hand as root, with a Python that has the examples'
+dependencies (the profiles hand it to the jobs), e.g. .nox/tests/bin/python:
 
-    python tests/slurm_lab.py up [22.05|24.11]  # install if needed, start, print what to export
-    python tests/slurm_lab.py down              # stop everything and remove what `up` made
+    python tests/slurm_lab.py up [22.05|24.11]  # install if
+    needed, start, print what to export python tests/slurm_lab.py
+    down              # stop everything and remove what `up` made
 """
 
 from __future__ import annotations
@@ -45,34 +49,60 @@ import tinyimagenet
 
 STATE = Path("/tmp/ddp-slurm-lab")
 SITES = Path(__file__).resolve().parent / "sites"
-# Two networks, as on clusters whose nodes have Ethernet and InfiniBand: each node has an
-# address on both, and `hostname -I` lists them in this order. Names resolve to the first.
+# Two networks, as on clusters whose nodes have Ethernet and
+# InfiniBand: each node has an address on both, and `hostname -I`
+# lists them in this order. Names resolve to the first.
 NETWORKS = {"eth0": ("ddplab0", "10.77.0"), "ib0": ("ddplab1", "10.78.0")}
 BRIDGE_ADDR = "10.77.0.1"  # the controller, on the first network
 NODES = {"cn1": "10.77.0.11", "cn2": "10.77.0.12"}
 HOSTS_TAG = "# ddp-slurm-lab"
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
-COMMANDS = ["slurmctld", "slurmd", "munged", "mungekey", "sbatch", "nsenter", "unshare", "ip"]
+COMMANDS = [
+    "slurmctld",
+    "slurmd",
+    "munged",
+    "mungekey",
+    "sbatch",
+    "nsenter",
+    "unshare",
+    "ip",
+]
 
-# Each version, and the Debian release whose packages provide it: None is this machine's own.
+# Each version, and the Debian release whose packages
+# provide it: None is this machine's own.
 VERSIONS = {"22.05": None, "24.11": "trixie"}
 DEFAULT_VERSION = "24.11"
 ROOTS = Path("/var/cache/ddp-slurm-lab")
-# What a root holds beyond Debian's minimal base: Slurm and munge, the commands that the job
-# scripts and tests run on a node, and the shared libraries that the host's Python and its
-# extension modules load (run from the root, they find the root's /lib, not the host's).
+# What a root holds beyond Debian's minimal base: Slurm and munge, the
+# commands that the job scripts and tests run on a node, and the
+# shared libraries that the host's Python and its extension modules
+# load (run from the root, they find the root's /lib, not the host's).
 ROOT_PACKAGES = [
     *PACKAGES, "hostname", "iproute2", "procps",
-    "libffi8", "libssl3t64", "libsqlite3-0", "libbz2-1.0", "liblzma5", "zlib1g", "libncursesw6",
-    "libreadline8t64", "libgdbm6t64", "libuuid1", "libstdc++6", "libgomp1", "libexpat1",
+    "libffi8", "libssl3t64", "libsqlite3-0", "libbz2-1.0", "liblzma5", "zlib1g",
+    "libncursesw6", "libreadline8t64", "libgdbm6t64", "libuuid1", "libstdc++6",
+    "libgomp1", "libexpat1",
 ]  # fmt: skip
 ROOT_COMMANDS = ["debootstrap", "chroot", "nsenter", "unshare", "ip"]
 # Client commands that Lab.env() runs inside the root.
-CLIENTS = ["sbatch", "srun", "salloc", "scontrol", "sinfo", "squeue", "scancel", "sacct", "sstat"]
-INSIDE_MARK = ".ddp-slurm-lab-root"  # a file at the root's top: "this process runs inside"
+CLIENTS = [
+    "sbatch",
+    "srun",
+    "salloc",
+    "scontrol",
+    "sinfo",
+    "squeue",
+    "scancel",
+    "sacct",
+    "sstat",
+]
+INSIDE_MARK = (
+    ".ddp-slurm-lab-root"  # a file at the root's top: "this process runs inside"
+)
 
-# Folders that the sites' job scripts read, each shown to the nodes by a bind mount inside
-# their mount namespace: mount point -> source (relative sources are in the cluster's state).
+# Folders that the sites' job scripts read, each shown to the
+# nodes by a bind mount inside their mount namespace: mount
+# point -> source (relative sources are in the cluster's state).
 SITE_MOUNTS = {
     "/network/datasets": SITES / "mila" / "datasets",
     "/ibex/user": Path("ibex-user"),
@@ -109,7 +139,8 @@ class Lab:
     def __post_init__(self):
         if self.version not in VERSIONS:
             raise LabUnavailable(
-                f"no Slurm {self.version} here; the test cluster runs {' or '.join(VERSIONS)}"
+                f"no Slurm {self.version} here; the test cluster runs "
+                f"{' or '.join(VERSIONS)}"
             )
 
     @property
@@ -118,38 +149,46 @@ class Lab:
 
     @property
     def root(self) -> Path | None:
-        """The Debian root that holds this version's Slurm, or None for the host's own."""
+        """The Debian root that holds this version's Slurm,
+        or None for the host's own."""
         suite = VERSIONS[self.version]
         return None if suite is None else ROOTS / f"debian-{suite}"
 
     def at_least(self, version: str) -> bool:
         """Whether this cluster's Slurm is `version` ("23.11") or newer."""
-        return tuple(map(int, self.version.split("."))) >= tuple(map(int, version.split(".")))
+        return tuple(map(int, self.version.split("."))) >= tuple(
+            map(int, version.split("."))
+        )
 
     @property
     def bin(self) -> Path:
-        """Where the commands that run inside the root are (the root version's PATH entry)."""
+        """Where the commands that run inside the root are
+        (the root version's PATH entry)."""
         return self.state / "bin"
 
     def env(self, site: str | None = None, **extra: str) -> dict[str, str]:
-        """The environment to submit from: this cluster's config, plus a site's profile."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
+        """The environment to submit from: this cluster's
+        config, plus a site's profile."""
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))
+        }
         env["SLURM_CONF"] = str(self.conf)
         if self.root is not None:
             env["PATH"] = f"{self.bin}:{env.get('PATH', os.defpath)}"
-        # Job scripts name the user's folders with $USER and $HOME, which CI may not set.
+        # Job scripts name the user's folders with $USER
+        # and $HOME, which CI may not set.
         env.setdefault("USER", pwd.getpwuid(os.getuid()).pw_name)
         env.setdefault("HOME", str(Path.home()))
         if site is not None:
             profile = SITES / site
             env["BASH_ENV"] = str(profile / "profile.sh")
-            # The Python that the profile's `conda activate` puts first on PATH: this one,
-            # which has the examples' dependencies.
+            # The Python that the profile's `conda activate` puts first on PATH: this
+            # one, which has the examples' dependencies.
             env["LAB_PYTHON_BIN"] = str(Path(sys.executable).parent)
         env.update(extra)
         return env
 
-    # ----------------------------------------------------------------------------------------
+    # ------------------------------------------------------------
     # Start and stop
 
     def up(self, timeout: float = 60.0) -> None:
@@ -182,9 +221,13 @@ class Lab:
         # Daemons started by an earlier run of this module whose pid files are gone.
         subprocess.run(["pkill", "-9", "-f", f"{self.state}/"], capture_output=True)
         for name in NODES:
-            subprocess.run(["ip", "netns", "delete", f"ddplab-{name}"], capture_output=True)
+            subprocess.run(
+                ["ip", "netns", "delete", f"ddplab-{name}"], capture_output=True
+            )
             for iface in NETWORKS:
-                subprocess.run(["ip", "link", "delete", veth(name, iface)], capture_output=True)
+                subprocess.run(
+                    ["ip", "link", "delete", veth(name, iface)], capture_output=True
+                )
         for bridge, _ in NETWORKS.values():
             subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
         hosts = Path("/etc/hosts")
@@ -199,7 +242,8 @@ class Lab:
         s = self.state
         for sub in ["ctld", "spool", "log", "gpus", "munge", "tmp"]:
             (s / sub).mkdir()
-        # Slurm only accepts GPUs backed by character devices; copies of /dev/null will do.
+        # Slurm only accepts GPUs backed by character
+        # devices; copies of /dev/null will do.
         for i in range(8):
             os.mknod(s / "gpus" / f"nvidia{i}", 0o666 | 0o020000, os.makedev(1, 3))
         host = socket.gethostname()
@@ -235,7 +279,8 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 MpiDefault=none
 GresTypes=gpu
-# Finished jobs stay in `scontrol show job` for an hour: a test may wait for one, then another.
+# Finished jobs stay in `scontrol show job` for an hour: a
+# test may wait for one, then another.
 MinJobAge=3600
 SchedulerParameters=batch_sched_delay=0
 EnforcePartLimits=ALL
@@ -260,7 +305,9 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         # Ibex: the user's own miniconda, at /ibex/user/$USER/miniconda3.
         user = self.env()["USER"]
         (self.state / "ibex-user" / user).mkdir(parents=True)
-        (self.state / "ibex-user" / user / "miniconda3").symlink_to(SITES / "ibex" / "miniconda3")
+        (self.state / "ibex-user" / user / "miniconda3").symlink_to(
+            SITES / "ibex" / "miniconda3"
+        )
         # Ibex: TinyImageNet, small and synthetic, in the real on-disk layout.
         tinyimagenet.make(self.state / "tinyimagenet")
 
@@ -305,7 +352,8 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def _start_daemons(self) -> None:
         env = self.env()
-        log = open(self.state / "log" / "daemons.out", "ab")  # noqa: SIM115 (lives with the lab)
+        # The log lives as long as the lab, not a with block.
+        log = open(self.state / "log" / "daemons.out", "ab")  # noqa: SIM115
         ctld = subprocess.Popen(
             [*self._inside("slurmctld"), "-D", "-f", str(self.conf)],
             env=env, stdout=log, stderr=log,
@@ -319,12 +367,16 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         for mountpoint, source in SITE_MOUNTS.items():
             _make_dirs(Path(top + mountpoint))
             target = shlex.quote(top + mountpoint)
-            mounts.append(f"mount --bind {shlex.quote(str(self.state / source))} {target}")
-        slurmd = "slurmd" if self.root is None else f"chroot {self.root} /usr/sbin/slurmd"
+            mounts.append(
+                f"mount --bind {shlex.quote(str(self.state / source))} {target}"
+            )
+        slurmd = (
+            "slurmd" if self.root is None else f"chroot {self.root} /usr/sbin/slurmd"
+        )
         for name in NODES:
-            # In the node's own UTS and mount namespaces: its hostname, the sites' dataset
-            # folders, and no resolv.conf, since DNS is unreachable from here and every lookup
-            # would stall for 10 s before falling back to /etc/hosts.
+            # In the node's own UTS and mount namespaces: its hostname, the sites'
+            # dataset folders, and no resolv.conf, since DNS is unreachable from here
+            # and every lookup would stall for 10 s before falling back to /etc/hosts.
             script = "; ".join(
                 [
                     "set -e",
@@ -334,34 +386,49 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                     f"exec {slurmd} -D -N {name} -f {self.conf}",
                 ]
             )
-            cmd = ["nsenter", f"--net=/run/netns/ddplab-{name}", "unshare", "--uts", "--mount"]
+            cmd = [
+                "nsenter",
+                f"--net=/run/netns/ddplab-{name}",
+                "unshare",
+                "--uts",
+                "--mount",
+            ]
             self.procs.append(
-                subprocess.Popen([*cmd, "sh", "-c", script], env=env, stdout=log, stderr=log)
+                subprocess.Popen(
+                    [*cmd, "sh", "-c", script], env=env, stdout=log, stderr=log
+                )
             )
 
-    # ----------------------------------------------------------------------------------------
+    # ------------------------------------------------------------
     # The root of a version that is not the host's
 
     def _inside(self, command: str) -> list[str]:
-        """How to run a daemon's `command` of this version: inside its root, or as it is."""
+        """How to run a daemon's `command` of this version:
+        inside its root, or as it is."""
         if self.root is None:
             return [command]
         return [str(self.bin / "in-root"), f"/usr/sbin/{command}"]
 
     def _root_mounts(self) -> list[str]:
-        """Shell commands that show the root the host folders its commands and jobs use."""
+        """Shell commands that show the root the host
+        folders its commands and jobs use."""
         if self.root is None:
             return []
         project = Path(__file__).resolve().parent.parent
         python = [Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()]
         for prefix in python:
-            # Debian's own Python lives in /usr, which would hide the root's /usr, Slurm and all.
+            # Debian's own Python lives in /usr, which
+            # would hide the root's /usr, Slurm and all.
             if prefix in (Path("/"), Path("/usr")):
                 raise LabUnavailable(
-                    f"Slurm {self.version} runs jobs inside {self.root}, which cannot be shown "
-                    f"the Python in {prefix}: use one installed elsewhere (pyenv, uv, conda)"
+                    f"Slurm {self.version} runs jobs inside {self.root}, which cannot "
+                    f"be shown the Python in {prefix}: use one installed elsewhere "
+                    "(pyenv, uv, conda)"
                 )
-        commands = [f"mount --rbind {d} {self.root}{d}" for d in ["/proc", "/sys", "/dev", "/tmp"]]
+        commands = [
+            f"mount --rbind {d} {self.root}{d}"
+            for d in ["/proc", "/sys", "/dev", "/tmp"]
+        ]
         commands.append(f"mount --bind /etc/hosts {self.root}/etc/hosts")
         seen: list[Path] = [Path("/tmp")]
         for folder in [project, *python, Path(tempfile.gettempdir()).resolve()]:
@@ -369,15 +436,20 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 continue
             seen.append(folder)
             inside = shlex.quote(f"{self.root}{folder}")
-            commands += [f"mkdir -p {inside}", f"mount --bind {shlex.quote(str(folder))} {inside}"]
+            commands += [
+                f"mkdir -p {inside}",
+                f"mount --bind {shlex.quote(str(folder))} {inside}",
+            ]
         return commands
 
     def _write_root_commands(self) -> None:
-        """Mounts the host folders for the root, once, and writes the commands that use them.
+        """Mounts the host folders for the root, once, and
+        writes the commands that use them.
 
-        A process that does nothing holds a mount namespace with the root's bind mounts, so
-        that they exist nowhere else and vanish with it. `in-root` runs a command inside the
-        root, in that namespace; each client command (sbatch, ...) has a wrapper that calls it.
+        A process that does nothing holds a mount namespace with the root's
+        bind mounts, so that they exist nowhere else and vanish with it.
+        `in-root` runs a command inside the root, in that namespace; each
+        client command (sbatch, ...) has a wrapper that calls it.
         """
         assert self.root is not None
         self.bin.mkdir()
@@ -393,20 +465,22 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         while not pidfile.exists() or not pidfile.read_text().strip():
             if self.procs[-1].poll() is not None or time.monotonic() > deadline:
                 raise LabUnavailable(
-                    f"could not mount the host folders in {self.root}: {errors.read_text()}"
+                    f"could not mount the host folders in {self.root}: "
+                    f"{errors.read_text()}"
                 )
             time.sleep(0.05)
         in_root = self.bin / "in-root"
         in_root.write_text(
             f"""\
 #!/bin/sh
-# Runs a command of Slurm {self.version} inside {self.root}, in the caller's folder, with the
-# host folders that jobs use at the same paths. Written by tests/slurm_lab.py.
+# Runs a command of Slurm {self.version} inside {self.root}, in the caller's folder,
+# with the host folders that jobs use at the same paths. Written by tests/slurm_lab.py.
 set -e
 if [ -e /{INSIDE_MARK} ]; then exec "$@"; fi  # already inside, as a job's srun is
 exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh -c '
     if ! cd "$0" 2>/dev/null; then
-        echo "slurm_lab: $0 is not visible inside {self.root}: run from the project or /tmp" >&2
+        echo "slurm_lab: $0 is not visible inside {self.root}:" \
+            "run from the project or /tmp" >&2
         exit 1
     fi
     exec "$@"' "$PWD" "$@"
@@ -425,22 +499,29 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
             where = "this machine" if self.root is None else str(self.root)
             raise LabUnavailable(f"the Slurm of {where} is {found}, not {self.version}")
 
-    # ----------------------------------------------------------------------------------------
+    # ------------------------------------------------------------
 
     def _wait_for_nodes(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for proc in self.procs:
                 if proc.poll() is not None:
-                    raise LabUnavailable(f"a Slurm daemon exited at start:\n{self.logs()}")
+                    raise LabUnavailable(
+                        f"a Slurm daemon exited at start:\n{self.logs()}"
+                    )
             out = subprocess.run(
-                ["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env(), capture_output=True, text=True
+                ["sinfo", "-h", "-N", "-o", "%N %t"],
+                env=self.env(),
+                capture_output=True,
+                text=True,
             ).stdout.split()
             states = dict(zip(out[::2], out[1::2], strict=False))
             if states and all(states.get(n) == "idle" for n in NODES):
                 return
             time.sleep(0.3)
-        raise LabUnavailable(f"the nodes did not become idle in {timeout:.0f} s:\n{self.logs()}")
+        raise LabUnavailable(
+            f"the nodes did not become idle in {timeout:.0f} s:\n{self.logs()}"
+        )
 
     def logs(self) -> str:
         return "\n".join(
@@ -448,7 +529,7 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
             for p in sorted((self.state / "log").glob("*"))
         )
 
-    # ----------------------------------------------------------------------------------------
+    # ------------------------------------------------------------
     # Jobs
 
     def sbatch(
@@ -456,7 +537,8 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
     ) -> str:
         """Submits `script` unchanged, from its own folder, and returns the job ID.
 
-        `options` go to sbatch (they override the script's #SBATCH lines), `args` to the script.
+        `options` go to sbatch (they override the script's
+        #SBATCH lines), `args` to the script.
         """
         out = _run(
             [
@@ -474,14 +556,19 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
         return out.strip().split(";")[0]
 
     def wait(self, job_id: str, workdir: Path, timeout: float) -> Job:
-        """Polls the job every 0.2 s (sbatch --wait polls far less often) until it ends."""
+        """Polls the job every 0.2 s (sbatch --wait polls
+        far less often) until it ends."""
         start = time.monotonic()
         info: dict[str, str] = {}
         stacks = None
         while time.monotonic() - start < timeout:
             info = self.job_info(job_id)
-            # A job that has left slurmctld's memory cannot be waited for: say so at once.
-            assert info, f"job {job_id} is unknown to slurmctld (over MinJobAge, or never existed)"
+            # A job that has left slurmctld's memory cannot
+            # be waited for: say so at once.
+            assert info, (
+                f"job {job_id} is unknown to slurmctld (over MinJobAge, or never "
+                "existed)"
+            )
             if info.get("JobState") in {
                 "COMPLETED",
                 "FAILED",
@@ -520,11 +607,14 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
 
 
 def job_processes(job_id: str) -> list[tuple[int, str, set[str]]]:
-    """PID, command line and environment of each process of job `job_id` on this machine."""
+    """PID, command line and environment of each process of
+    job `job_id` on this machine."""
     processes = []
     for proc in Path("/proc").iterdir():
         try:
-            environ = set((proc / "environ").read_bytes().decode(errors="replace").split("\0"))
+            environ = set(
+                (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+            )
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, ValueError):
             continue
@@ -534,7 +624,8 @@ def job_processes(job_id: str) -> list[tuple[int, str, set[str]]]:
 
 
 def job_stacks(job_id: str) -> str:
-    """The Python and native stacks of the job's Python processes, by py-spy, if installed."""
+    """The Python and native stacks of the job's Python
+    processes, by py-spy, if installed."""
     py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if py_spy is None:
         return "(py-spy is not installed)"
@@ -550,9 +641,11 @@ def job_stacks(job_id: str) -> str:
 
 
 def check_can_start(version: str = DEFAULT_VERSION) -> None:
-    """Installs what `version` needs if it is missing; says why when the cluster cannot start.
+    """Installs what `version` needs if it is missing; says
+    why when the cluster cannot start.
 
-    The host's own version comes from apt; another version's root is made with debootstrap.
+    The host's own version comes from apt; another
+    version's root is made with debootstrap.
     """
     if os.geteuid() != 0:
         raise LabUnavailable(
@@ -567,7 +660,9 @@ def check_can_start(version: str = DEFAULT_VERSION) -> None:
     missing = [c for c in commands if shutil.which(c) is None]
     if missing:
         if shutil.which("apt-get") is None:
-            raise LabUnavailable(f"{', '.join(missing)} missing and there is no apt-get")
+            raise LabUnavailable(
+                f"{', '.join(missing)} missing and there is no apt-get"
+            )
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         subprocess.run(["apt-get", "update", "-qq"], env=env, check=True)
         subprocess.run(
@@ -578,31 +673,37 @@ def check_can_start(version: str = DEFAULT_VERSION) -> None:
         )
         missing = [c for c in commands if shutil.which(c) is None]
         if missing:
-            raise LabUnavailable(f"still missing after apt-get install: {', '.join(missing)}")
+            raise LabUnavailable(
+                f"still missing after apt-get install: {', '.join(missing)}"
+            )
     if suite is not None:
         make_root(suite)
 
 
 def make_root(suite: str) -> Path:
-    """A Debian `suite` root with Slurm, made once (about a minute) and kept in ROOTS."""
+    """A Debian `suite` root with Slurm, made once (about a
+    minute) and kept in ROOTS."""
     root = ROOTS / f"debian-{suite}"
-    # The mark names what the root was made with: a root made with other packages is made anew.
+    # The mark names what the root was made with: a root
+    # made with other packages is made anew.
     mark = f"Debian {suite} root of tests/slurm_lab.py, packages {packages_digest()}\n"
     if (root / INSIDE_MARK).exists() and (root / INSIDE_MARK).read_text() == mark:
         return root
-    # Made beside its final place and renamed when complete: an interrupted run leaves no
-    # half-made root that a later run would take for a whole one.
+    # Made beside its final place and renamed when complete: an interrupted run leaves
+    # no half-made root that a later run would take for a whole one.
     partial = ROOTS / f"debian-{suite}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     ROOTS.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
-        ["debootstrap", "--variant=minbase", f"--include={','.join(ROOT_PACKAGES)}", suite,
-         str(partial), "http://deb.debian.org/debian"],
+        ["debootstrap", "--variant=minbase", f"--include={','.join(ROOT_PACKAGES)}",
+         suite, str(partial), "http://deb.debian.org/debian"],
         capture_output=True, text=True,
     )  # fmt: skip
     if result.returncode != 0:
         log = partial / "debootstrap" / "debootstrap.log"
-        detail = log.read_text(errors="replace")[-2000:] if log.exists() else result.stderr
+        detail = (
+            log.read_text(errors="replace")[-2000:] if log.exists() else result.stderr
+        )
         shutil.rmtree(partial, ignore_errors=True)
         raise LabUnavailable(f"debootstrap of Debian {suite} failed:\n{detail}")
     # Mount points for the host's files, which a minimal base may lack.
@@ -626,12 +727,15 @@ def _run(cmd: list[str], **kwargs) -> str:
 
 
 def _kill(pidfile: Path) -> None:
-    with contextlib.suppress(ValueError, IndexError, ProcessLookupError, PermissionError):
+    with contextlib.suppress(
+        ValueError, IndexError, ProcessLookupError, PermissionError
+    ):
         os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
 
 
 def _make_dirs(path: Path) -> None:
-    """Creates `path` and notes each folder it made, so that `down` removes just those."""
+    """Creates `path` and notes each folder it made, so
+    that `down` removes just those."""
     missing = [p for p in [path, *path.parents] if not p.exists()]
     path.mkdir(parents=True, exist_ok=True)
     with open(STATE / "made_dirs", "a") as made:
@@ -656,7 +760,9 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["up"] and len(sys.argv) <= 3:
         lab = Lab(*sys.argv[2:])
         lab.up()
-        print(f"Slurm {lab.version} test cluster up, nodes {', '.join(NODES)}. To use it:")
+        print(
+            f"Slurm {lab.version} test cluster up, nodes {', '.join(NODES)}. To use it:"
+        )
         print(f"export SLURM_CONF={lab.conf}")
         if lab.root is not None:
             print(f'export PATH="{lab.bin}:$PATH"')

@@ -1,11 +1,12 @@
-"""Runs the examples in CPU smoke mode: gloo, synthetic data, a few steps, one thread a process.
+"""Runs the examples in CPU smoke mode: gloo, synthetic
+data, a few steps, one thread a process.
 
-Each example is launched the way its job.sh launches it, without Slurm: one process per Slurm
-task, each with the SLURM_* variables that srun would give it and what job.sh exports before
-srun. The task runs main.py itself, or the launcher that job.sh starts in it: torchrun, or the
-deprecated torch.distributed.launch, which then start main.py once per (pretend) GPU. The Slurm
-tests (test_slurm.py) submit the job.sh files themselves to a real cluster, with the same
-arguments.
+Each example is launched the way its job.sh launches it, without Slurm: one process per
+Slurm task, each with the SLURM_* variables that srun would give it and what job.sh
+exports before srun. The task runs main.py itself, or the launcher that job.sh starts in
+it: torchrun, or the deprecated torch.distributed.launch, which then start main.py once
+per (pretend) GPU. The Slurm tests (test_slurm.py) submit the job.sh files themselves to
+a real cluster, with the same arguments.
 
     python tests/smoke.py                  # every example, one line each
     python tests/smoke.py mila/multi_gpu   # just these
@@ -32,37 +33,50 @@ import tinyimagenet
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 
-# Small and fast, but through the same code as a real run: sampler, training steps, validation.
-# 250 synthetic images leave 25 for validation, a count that 2 and 3 processes do not divide,
-# so any padding of the validation shards would show.
+# Small and fast, but through the same code as a real run: sampler, training steps,
+# validation. 250 synthetic images leave 25 for validation, a count that 2 and 3
+# processes do not divide, so any padding of the validation shards would show.
 MILA_SMOKE_ARGS = (
     "--synthetic-data", "--synthetic-size", "250", "--batch-size", "16",
     "--epochs", "1", "--max-steps", "4",
 )  # fmt: skip
 MILA_VAL_SAMPLES = 25
-# The Ibex examples read a generated TinyImageNet (tinyimagenet.py) of 5 classes x 5 validation
-# images; these arguments just keep the run short.
-# One worker per process, which 2 processes per task would not get from 2 CPUs.
-IBEX_SMOKE_ARGS = ("--epochs", "1", "--max-steps", "3", "--batch-size", "8", "--num-workers", "1")
+# The Ibex examples read a generated TinyImageNet (tinyimagenet.py) of 5 classes x 5
+# validation images; these arguments just keep the run short. One worker per process,
+# which 2 processes per task would not get from 2 CPUs.
+IBEX_SMOKE_ARGS = (
+    "--epochs",
+    "1",
+    "--max-steps",
+    "3",
+    "--batch-size",
+    "8",
+    "--num-workers",
+    "1",
+)
 IBEX_VAL_SAMPLES = 25
 # The generic examples: a few epochs of a tiny regression, or a few steps of ResNet-50.
 GENERIC_SMOKE_ARGS = ("--epochs", "3", "--dataset-size", "256")
-# The FSDP2 example: a tiny language model, 8 global batches of 12 sequences an epoch. 12 divides
-# among 1, 2, 3 and 4 processes, so every test layout trains on the same batches.
+# The FSDP2 example: a tiny language model, 8 global batches
+# of 12 sequences an epoch. 12 divides among 1, 2, 3 and 4
+# processes, so every test layout trains on the same batches.
 FSDP_SMOKE_ARGS = (
-    "--epochs", "2", "--dataset-size", "96", "--global-batch-size", "12", "--vocab-size", "64",
-    "--seq-len", "16", "--dim", "32", "--heads", "2", "--layers", "2",
+    "--epochs", "2", "--dataset-size", "96", "--global-batch-size", "12",
+    "--vocab-size", "64", "--seq-len", "16", "--dim", "32", "--heads", "2",
+    "--layers", "2",
 )  # fmt: skip
-# The image classifier: ResNet-18 on 32x32 crops of a generated image folder (tinyimagenet.py) of
-# 5 classes, 130 training and 25 validation images; micro-batches of 4, accumulated 2 by 2.
+# The image classifier: ResNet-18 on 32x32 crops of a generated
+# image folder (tinyimagenet.py) of 5 classes, 130 training and
+# 25 validation images; micro-batches of 4, accumulated 2 by 2.
 IMAGE_SMOKE_ARGS = (
-    "--model", "resnet18", "--image-size", "32", "--batch-size", "4", "--accumulation-steps", "2",
-    "--epochs", "2", "--max-steps", "6", "--warmup-steps", "2", "--log-every", "2",
+    "--model", "resnet18", "--image-size", "32", "--batch-size", "4",
+    "--accumulation-steps", "2", "--epochs", "2", "--max-steps", "6",
+    "--warmup-steps", "2", "--log-every", "2",
 )  # fmt: skip
 IMAGE_VAL_SAMPLES = 25
 SPAWN_SMOKE_ARGS = (
-    "--synthetic-data", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "4",
-    "--lr", "0.001", "--nprocs", "2",
+    "--synthetic-data", "--synthetic-size", "64", "--batch-size", "8",
+    "--max-steps", "4", "--lr", "0.001", "--nprocs", "2",
 )  # fmt: skip
 
 
@@ -71,15 +85,16 @@ class Launch:
     """How an example's job.sh starts main.py, and the arguments of its smoke run."""
 
     # "python": `python main.py` once, which may spawn procs_per_task processes itself;
-    # "srun": main.py in each task; "torchrun" or "torch.distributed.launch": that launcher in
-    # each task, starting procs_per_task processes
+    # "srun": main.py in each task; "torchrun" or "torch.distributed.launch": that
+    # launcher in each task, starting procs_per_task processes
     launcher: str
     nodes: int = 1
     tasks_per_node: int = 1
     procs_per_task: int = 1
     args: tuple[str, ...] = ()
     val_samples: int | None = None  # the validation set's size under `args`
-    # "tinyimagenet" or "imagefolder": generate one (tinyimagenet.py), and export DATA_DIR to it
+    # "tinyimagenet" or "imagefolder": generate one
+    # (tinyimagenet.py), and export DATA_DIR to it
     dataset: str | None = None
 
     @property
@@ -89,15 +104,25 @@ class Launch:
 
 # Every example folder, with how its job.sh launches it, scaled down to 2 processes.
 EXAMPLES: dict[str, Launch] = {
-    "mila/single_gpu": Launch("python", args=MILA_SMOKE_ARGS, val_samples=MILA_VAL_SAMPLES),
+    "mila/single_gpu": Launch(
+        "python", args=MILA_SMOKE_ARGS, val_samples=MILA_VAL_SAMPLES
+    ),
     "mila/multi_gpu": Launch(
         "srun", tasks_per_node=2, args=MILA_SMOKE_ARGS, val_samples=MILA_VAL_SAMPLES
     ),
     "mila/multi_node": Launch(
-        "srun", nodes=2, tasks_per_node=1, args=MILA_SMOKE_ARGS, val_samples=MILA_VAL_SAMPLES
+        "srun",
+        nodes=2,
+        tasks_per_node=1,
+        args=MILA_SMOKE_ARGS,
+        val_samples=MILA_VAL_SAMPLES,
     ),
     "mila/checkpointing": Launch(
-        "srun", nodes=2, tasks_per_node=1, args=MILA_SMOKE_ARGS, val_samples=MILA_VAL_SAMPLES
+        "srun",
+        nodes=2,
+        tasks_per_node=1,
+        args=MILA_SMOKE_ARGS,
+        val_samples=MILA_VAL_SAMPLES,
     ),
     "ibex/single_node": Launch(
         "torchrun", procs_per_task=2, args=IBEX_SMOKE_ARGS,
@@ -126,7 +151,10 @@ EXAMPLES: dict[str, Launch] = {
 
 # Examples that are also run under other launchers than their job.sh's.
 MORE_LAUNCHES: list[tuple[str, Launch]] = [
-    ("generic/any_launcher", Launch("torchrun", procs_per_task=2, args=GENERIC_SMOKE_ARGS)),
+    (
+        "generic/any_launcher",
+        Launch("torchrun", procs_per_task=2, args=GENERIC_SMOKE_ARGS),
+    ),
     ("generic/any_launcher", Launch("python", args=GENERIC_SMOKE_ARGS)),
 ]
 
@@ -152,20 +180,25 @@ class Run:
         """The one-line result that `nox -s examples` prints."""
         per_node = self.launch.tasks_per_node * self.launch.procs_per_task
         shape = f"{self.launch.nodes} node(s) x {per_node} process(es)"
-        head = f"{self.name:<22} {self.launch.launcher:<24} {shape:<28} {self.elapsed:5.1f} s"
+        launcher = self.launch.launcher
+        head = f"{self.name:<22} {launcher:<24} {shape:<28} {self.elapsed:5.1f} s"
         if not self.ok:
             return f"{head}  FAILED (exit codes {self.returncodes})"
         s = self.summaries[0]
         line = f"{head}  ok  loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}"
         if "val_samples" in s:
-            line += f", val {s['val_samples']} samples, accuracy {s['val_accuracy']:.1%}"
+            line += (
+                f", val {s['val_samples']} samples, accuracy {s['val_accuracy']:.1%}"
+            )
         return line
 
 
 def load_main(name: str):
     """The example's main.py as a module, without running its main()."""
     module_name = f"example_{name.replace('/', '_')}"
-    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES_DIR / name / "main.py")
+    spec = importlib.util.spec_from_file_location(
+        module_name, EXAMPLES_DIR / name / "main.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -178,12 +211,23 @@ def free_port() -> int:
 
 
 def base_env() -> dict[str, str]:
-    """This environment without any Slurm or torch.distributed variables, one thread a process."""
-    drop = ("SLURM_", "SRUN_", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    """This environment without any Slurm or
+    torch.distributed variables, one thread a process."""
+    drop = (
+        "SLURM_",
+        "SRUN_",
+        "MASTER_",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    # Two processes with a thread per core each made training steps 8x slower on 2 cores.
+    # Two processes with a thread per core each made
+    # training steps 8x slower on 2 cores.
     env["OMP_NUM_THREADS"] = "1"
-    # CPUs and gloo even where there are GPUs: smoke mode asks for it, as a CPU job would.
+    # CPUs and gloo even where there are GPUs: smoke mode
+    # asks for it, as a CPU job would.
     env["TRAIN_ON_CPU"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -250,8 +294,8 @@ def run_example(
 ) -> Run:
     """Runs one example in smoke mode; `launch`, `args` and `env` override its defaults.
 
-    `while_running`, if given, is called with the tasks' processes and log files once they
-    have started, to interrupt them, say.
+    `while_running`, if given, is called with the tasks' processes and log files once
+    they have started, to interrupt them, say.
     """
     launch = launch or EXAMPLES[name]
     args = launch.args if args is None else args
@@ -272,11 +316,15 @@ def run_example(
             proc_env = base_env()
             proc_env.update(data_env)
             if launch.launcher == "python":
-                proc_env.update(SLURM_TMPDIR=str(tmpdir / "node1"), SLURM_CPUS_PER_TASK="2")
+                proc_env.update(
+                    SLURM_TMPDIR=str(tmpdir / "node1"), SLURM_CPUS_PER_TASK="2"
+                )
             else:
                 proc_env.update(srun_env(task, launch, tmpdir, port))
             proc_env.update(env or {})
-            Path(proc_env.get("SLURM_TMPDIR", tmpdir)).mkdir(parents=True, exist_ok=True)
+            Path(proc_env.get("SLURM_TMPDIR", tmpdir)).mkdir(
+                parents=True, exist_ok=True
+            )
             log = open(tmpdir / f"task{task}.log", "w+")  # noqa: SIM115 (closed below)
             logs.append(log)
             procs.append(
@@ -307,10 +355,14 @@ def run_example(
     return run
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float, grace: float = 20) -> list[int]:
-    """Waits for every process; once one fails, gives the others `grace` seconds, then kills.
+def wait_all(
+    procs: list[subprocess.Popen], timeout: float, grace: float = 20
+) -> list[int]:
+    """Waits for every process; once one fails, gives the
+    others `grace` seconds, then kills.
 
-    A rank that dies leaves the others blocked in a collective, so waiting could last forever.
+    A rank that dies leaves the others blocked in a
+    collective, so waiting could last forever.
     """
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -331,14 +383,15 @@ def parse_summaries(output: str) -> list[dict]:
 def decode_records(output: str, marker: str) -> list[dict]:
     """The JSON objects that follow each `marker` in `output`, in order.
 
-    Processes that share a stdout (under torchrun) can interleave their lines, so each record
-    is decoded where it starts rather than line by line.
+    Processes that share a stdout (under torchrun) can interleave their lines, so each
+    record is decoded where it starts rather than line by line.
     """
     decoder = json.JSONDecoder()
     records = []
     start = output.find(marker)
     while start != -1:
-        # A marker that is itself the start of the JSON object ('{"rank"') belongs to it.
+        # A marker that is itself the start of the JSON
+        # object ('{"rank"') belongs to it.
         at = start if marker.startswith("{") else start + len(marker)
         record, end = decoder.raw_decode(output, at)
         records.append(record)
@@ -347,13 +400,16 @@ def decode_records(output: str, marker: str) -> list[dict]:
 
 
 def numbers(summaries: list[dict]) -> list[dict]:
-    """The summaries without the host names: what must match between two runs of one layout."""
+    """The summaries without the host names: what must
+    match between two runs of one layout."""
     return [{k: v for k, v in s.items() if k != "host"} for s in summaries]
 
 
 def assert_bitwise_equal(a, b, where="checkpoint"):
-    """Fails unless `a` and `b`, nested dicts, lists and tensors, are equal bit for bit."""
-    import torch  # here, so that running the examples does not import torch in this process
+    """Fails unless `a` and `b`, nested dicts, lists and
+    tensors, are equal bit for bit."""
+    # Here, so that running the examples does not import torch in this process.
+    import torch
 
     assert type(a) is type(b), where
     if isinstance(a, torch.Tensor):
@@ -372,10 +428,11 @@ def assert_bitwise_equal(a, b, where="checkpoint"):
 
 
 def load_sharded_checkpoint(checkpoint_dir: Path) -> dict:
-    """The one complete checkpoint of the FSDP2 example in `checkpoint_dir`, as whole tensors.
+    """The one complete checkpoint of the FSDP2 example in
+    `checkpoint_dir`, as whole tensors.
 
-    Each save deletes the checkpoints before it; a folder ending in .tmp is an unfinished one.
-    DCP's own converter gathers the shards, without a process group.
+    Each save deletes the checkpoints before it; a folder ending in .tmp is an
+    unfinished one. DCP's own converter gathers the shards, without a process group.
     """
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -390,7 +447,8 @@ def load_sharded_checkpoint(checkpoint_dir: Path) -> dict:
 
 
 def unwrapped(output: str) -> str:
-    """The output with rich's log lines, which it wraps at 80 columns, made whole again."""
+    """The output with rich's log lines, which it wraps at
+    80 columns, made whole again."""
     return re.sub(r"\s+main\.py:\d+\n\s+", " ", output)
 
 
@@ -407,26 +465,40 @@ def check_run(run: Run) -> list[str]:
         for key in ("first_loss", "last_loss", "val_loss"):
             if key in s and not math.isfinite(s[key]):
                 problems.append(f"rank {s.get('rank', 0)}: {key} is {s[key]}")
-    metrics = [{k: v for k, v in s.items() if k not in ("rank", "host")} for s in run.summaries]
+    metrics = [
+        {k: v for k, v in s.items() if k not in ("rank", "host")} for s in run.summaries
+    ]
     if any(m != metrics[0] for m in metrics):
         problems.append(f"ranks disagree: {metrics}")
     expected = run.launch.val_samples
-    if expected is not None and any(s["val_samples"] != expected for s in run.summaries):
-        problems.append(f"validation counted {run.summaries[0]['val_samples']} != {expected}")
+    if expected is not None and any(
+        s["val_samples"] != expected for s in run.summaries
+    ):
+        problems.append(
+            f"validation counted {run.summaries[0]['val_samples']} != {expected}"
+        )
     return problems
 
 
 def main(names: list[str]) -> int:
     unknown = set(names) - set(EXAMPLES)
     if unknown:
-        sys.exit(f"unknown example(s): {', '.join(sorted(unknown))}; known: {', '.join(EXAMPLES)}")
+        sys.exit(
+            f"unknown example(s): {', '.join(sorted(unknown))}; known: "
+            f"{', '.join(EXAMPLES)}"
+        )
     failed = 0
     launches = [(name, EXAMPLES[name]) for name in names or EXAMPLES]
-    launches += [(name, launch) for name, launch in MORE_LAUNCHES if not names or name in names]
+    launches += [
+        (name, launch) for name, launch in MORE_LAUNCHES if not names or name in names
+    ]
     for name, launch in launches:
         run = run_example(name, launch)
         problems = check_run(run)
-        print(run.line() if not problems else f"{run.line()}  PROBLEMS: {problems}", flush=True)
+        print(
+            run.line() if not problems else f"{run.line()}  PROBLEMS: {problems}",
+            flush=True,
+        )
         if problems:
             failed += 1
             print(run.output, file=sys.stderr)

@@ -1,8 +1,10 @@
-"""A process killed while it writes a checkpoint leaves the previous checkpoint loadable.
+"""A process killed while it writes a checkpoint leaves the
+previous checkpoint loadable.
 
-Each checkpointing example's own save function runs in a child process, the FSDP2 step's too.
-The state it saves holds an object whose pickling blocks, so that the process is killed half-way
-through writing the file, as a node failure or a SIGKILL at the time limit would.
+Each checkpointing example's own save function runs in a child process,
+the FSDP2 step's too. The state it saves holds an object whose pickling
+blocks, so that the process is killed half-way through writing the
+file, as a node failure or a SIGKILL at the time limit would.
 """
 
 import signal
@@ -28,18 +30,21 @@ class Stall:
 path, version, stall = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "stall"
 extra = Stall() if stall else None
 """
-# How each example saves, given the checkpoint `path`, a `version` number and an `extra` object
-# to put in the state; and where the version is in what torch.load returns.
+# How each example saves, given the checkpoint `path`, a `version` number and an `extra`
+# object to put in the state; and where the version is in what torch.load returns.
 SAVES = {
     "generic/checkpointing": (
         'main.save_atomically({"version": version, "extra": extra}, path)',
         lambda checkpoint: checkpoint["version"],
     ),
     "mila/checkpointing": (
-        'dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)\n'
+        "dist.init_process_group(\n"
+        '    "gloo", store=dist.HashStore(), rank=0, world_size=1\n'
+        ")\n"
         "model = torch.nn.Linear(2, 2)\n"
         "optimizer = torch.optim.AdamW(model.parameters())\n"
-        'main.save_checkpoint(path, model, optimizer, {"version": version, "extra": extra}, {})',
+        'progress = {"version": version, "extra": extra}\n'
+        "main.save_checkpoint(path, model, optimizer, progress, {})",
         lambda checkpoint: checkpoint["progress"]["version"],
     ),
 }
@@ -47,9 +52,17 @@ NAIVE = 'torch.save({"version": version, "extra": extra}, path)'
 
 
 def save(name: str, code: str, path, version: int, stall: bool = False):
-    """Runs a save in a child process; if `stall`, kills it half-way and returns when it died."""
+    """Runs a save in a child process; if `stall`, kills it
+    half-way and returns when it died."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", PRELUDE + code, str(path), str(version), "stall" * stall],
+        [
+            sys.executable,
+            "-c",
+            PRELUDE + code,
+            str(path),
+            str(version),
+            "stall" * stall,
+        ],
         cwd=EXAMPLES_DIR / name,
         stdout=subprocess.PIPE,
         text=True,
@@ -66,7 +79,8 @@ def test_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, name):
     path = tmp_path / "checkpoint.pt"
     save(name, code, path, version=1)
     save(name, code, path, version=2, stall=True)
-    # The half-written file is there, under another name; the checkpoint is the old one, whole.
+    # The half-written file is there, under another name;
+    # the checkpoint is the old one, whole.
     assert (tmp_path / "checkpoint.pt.tmp").exists()
     assert version_of(torch.load(path, weights_only=True)) == 1
     # And the next save goes through, over the leftover.
@@ -74,12 +88,13 @@ def test_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, name):
     assert version_of(torch.load(path, weights_only=True)) == 3
 
 
-# The FSDP2 step writes a folder, with a shard per rank, under a temporary name; here, in a group
-# of one process, a folder per version under `path`.
+# The FSDP2 step writes a folder, with a shard per rank, under a temporary name; here,
+# in a group of one process, a folder per version under `path`.
 SHARDED_SAVE = (
     'dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)\n'
     'state = {"weights": torch.full((1000,), float(version)), "extra": extra}\n'
-    'main.save_checkpoint(path / f"epoch-0000-step-{version:08d}", state, {"version": version})\n'
+    'folder = path / f"epoch-0000-step-{version:08d}"\n'
+    'main.save_checkpoint(folder, state, {"version": version})\n'
     "dist.destroy_process_group()"
 )
 
@@ -99,21 +114,25 @@ def test_killed_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path):
     fsdp = load_main(name)
     save(name, SHARDED_SAVE, tmp_path, version=1)
     save(name, SHARDED_SAVE, tmp_path, version=2, stall=True)
-    # The half-written checkpoint is there, under its temporary name; the latest complete one
-    # is the one before, whole.
+    # The half-written checkpoint is there, under its temporary name; the latest
+    # complete one is the one before, whole.
     assert (tmp_path / "epoch-0000-step-00000002.tmp").is_dir()
     latest = fsdp.latest_checkpoint(tmp_path)
     assert latest == tmp_path / "epoch-0000-step-00000001"
     fsdp.check_complete(latest)
     assert torch.equal(sharded_weights(latest), torch.full((1000,), 1.0))
-    # The next save goes through, clears what the killed one left, and replaces the old one.
+    # The next save goes through, clears what the killed
+    # one left, and replaces the old one.
     save(name, SHARDED_SAVE, tmp_path, version=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-0000-step-00000003"]
-    assert torch.equal(sharded_weights(fsdp.latest_checkpoint(tmp_path)), torch.full((1000,), 3.0))
+    assert torch.equal(
+        sharded_weights(fsdp.latest_checkpoint(tmp_path)), torch.full((1000,), 3.0)
+    )
 
 
 def test_killed_mid_save_in_place_loses_the_checkpoint(tmp_path):
-    # The symptom that the atomic save prevents: torch.save straight to the checkpoint's path.
+    # The symptom that the atomic save prevents: torch.save
+    # straight to the checkpoint's path.
     path = tmp_path / "checkpoint.pt"
     save("generic/checkpointing", NAIVE, path, version=1)
     save("generic/checkpointing", NAIVE, path, version=2, stall=True)
@@ -122,7 +141,8 @@ def test_killed_mid_save_in_place_loses_the_checkpoint(tmp_path):
         torch.load(path, weights_only=True)
 
 
-# Records the calls that make a save durable, in order: fsync of a file or of a folder, rename.
+# Records the calls that make a save durable, in order:
+# fsync of a file or of a folder, rename.
 TRACE = """
 import os
 _fsync, _replace = os.fsync, os.replace
@@ -141,8 +161,8 @@ os.fsync, os.replace = fsync, replace
 
 @pytest.mark.parametrize("name", SAVES)
 def test_the_rename_is_synced_to_disk(tmp_path, name):
-    # A rename is a change to the folder, not to the file: until the folder is synced, a crash
-    # of the node can leave the old checkpoint, or none, where the new one was.
+    # A rename is a change to the folder, not to the file: until the folder is synced, a
+    # crash of the node can leave the old checkpoint, or none, where the new one was.
     code, _ = SAVES[name]
     path = tmp_path / "checkpoint.pt"
     proc = subprocess.run(
@@ -153,7 +173,11 @@ def test_the_rename_is_synced_to_disk(tmp_path, name):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    calls = [line for line in proc.stdout.splitlines() if line.startswith(("fsync", "replace"))]
+    calls = [
+        line
+        for line in proc.stdout.splitlines()
+        if line.startswith(("fsync", "replace"))
+    ]
     assert calls == [
         f"fsync {path}.tmp",
         f"replace {path}",

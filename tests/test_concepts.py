@@ -1,4 +1,5 @@
-"""The snippets on the concepts and troubleshooting pages give the results the pages state."""
+"""The snippets on the concepts and troubleshooting pages
+give the results the pages state."""
 
 import subprocess
 import sys
@@ -14,7 +15,8 @@ SNIPPETS = Path(__file__).resolve().parent.parent / "docs" / "snippets"
 def test_collectives_give_the_documented_results(world_size, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={world_size}", str(SNIPPETS / "collectives.py"), str(tmp_path)],
+         f"--nproc-per-node={world_size}", str(SNIPPETS / "collectives.py"),
+         str(tmp_path)],
         env=base_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -37,7 +39,8 @@ def test_sampler_pitfalls_show_what_the_troubleshooting_page_says():
         import sampler_pitfalls as pitfalls
     finally:
         sys.path.remove(str(SNIPPETS))
-    # Without set_epoch, every epoch repeats the first epoch's order; with it, each differs.
+    # Without set_epoch, every epoch repeats the first
+    # epoch's order; with it, each differs.
     without = pitfalls.epoch_orders(100, epochs=3, call_set_epoch=False)
     assert without[0] == without[1] == without[2]
     with_set_epoch = pitfalls.epoch_orders(100, epochs=3, call_set_epoch=True)
@@ -60,8 +63,8 @@ def test_a_restart_changes_the_last_bits_only_beyond_two_processes(world_size):
     assert result.returncode == 0, result.stdout + result.stderr
     [record] = decode_records(result.stdout, '{"world_size"')
     assert record["world_size"] == world_size
-    # Two numbers add up the same in either order; four do not, and the first step after a
-    # restart adds them in another order unless DDP keeps a single one.
+    # Two numbers add up the same in either order; four do not, and the first step after
+    # a restart adds them in another order unless DDP keeps a single one.
     if world_size == 2:
         assert record["differing"] == []
     else:

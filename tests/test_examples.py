@@ -1,4 +1,5 @@
-"""Every example, run in CPU smoke mode as its job.sh launches it, must train correctly."""
+"""Every example, run in CPU smoke mode as its job.sh
+launches it, must train correctly."""
 
 import dataclasses
 import re
@@ -20,23 +21,29 @@ from smoke import (
 
 
 def test_every_example_folder_has_a_smoke_run():
-    folders = {str(p.parent.relative_to(EXAMPLES_DIR)) for p in EXAMPLES_DIR.glob("**/main.py")}
+    folders = {
+        str(p.parent.relative_to(EXAMPLES_DIR)) for p in EXAMPLES_DIR.glob("**/main.py")
+    }
     assert folders == set(EXAMPLES), "add new examples to EXAMPLES in tests/smoke.py"
 
 
 def test_every_process_group_forks_its_workers_from_a_server():
-    # A DataLoader worker fork()ed from a process that runs a process group's threads can hang
-    # before it starts, on Python up to 3.11.9 (see "Training hangs when validation begins" on
-    # the troubleshooting page). Every example with both must start its workers from a server.
+    # A DataLoader worker fork()ed from a process that runs a process group's threads
+    # can hang before it starts, on Python up to 3.11.9 (see "Training hangs when
+    # validation begins" on the troubleshooting page). Every example with both must
+    # start its workers from a server.
     both = [
         path.parent.relative_to(EXAMPLES_DIR)
         for path in sorted(EXAMPLES_DIR.glob("**/main.py"))
-        if "init_process_group" in (source := path.read_text()) and "num_workers=" in source
+        if "init_process_group" in (source := path.read_text())
+        and "num_workers=" in source
     ]
     assert len(both) >= 7, both  # Mila's and Ibex's multi-process steps, and mp_spawn
     for folder in both:
         source = (EXAMPLES_DIR / folder / "main.py").read_text()
-        assert 'multiprocessing.set_start_method("forkserver", force=True)' in source, folder
+        assert 'multiprocessing.set_start_method("forkserver", force=True)' in source, (
+            folder
+        )
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -60,11 +67,15 @@ def test_smoke_run_trains_on_every_rank(name, smoke_run):
     ("name", "field"),
     [("mila/multi_gpu", "tasks_per_node"), ("ibex/single_node", "procs_per_task")],
 )
-def test_validation_counts_every_sample_exactly_once(name, field, world_size, smoke_run):
+def test_validation_counts_every_sample_exactly_once(
+    name, field, world_size, smoke_run
+):
     launch = dataclasses.replace(EXAMPLES[name], **{field: world_size})
     run = smoke_run(name, launch)
     assert check_run(run) == [], run.output
-    assert [s["val_samples"] for s in run.summaries] == [launch.val_samples] * world_size
+    assert [s["val_samples"] for s in run.summaries] == [
+        launch.val_samples
+    ] * world_size
 
 
 @pytest.mark.parametrize(
@@ -76,8 +87,8 @@ def test_validation_counts_every_sample_exactly_once(name, field, world_size, sm
     ],
 )
 def test_same_process_count_gives_the_same_numbers(one, other, smoke_run):
-    # One node or two, torchrun or the old launcher: with as many processes, training takes
-    # the same steps on the same data, and must end with identical numbers.
+    # One node or two, torchrun or the old launcher: with as many processes, training
+    # takes the same steps on the same data, and must end with identical numbers.
     assert smoke_run(one).launch.world_size == smoke_run(other).launch.world_size
     assert numbers(smoke_run(one).summaries) == numbers(smoke_run(other).summaries)
 
@@ -90,8 +101,11 @@ def test_smoke_runs_inherit_no_slurm_variables(monkeypatch):
     assert env["OMP_NUM_THREADS"] == "1"
 
 
-# The Mila examples share one setup() and its messages; the generic ones are tested below.
-SRUN_EXAMPLES = [n for n, launch in EXAMPLES.items() if launch.launcher == "srun" and "mila" in n]
+# The Mila examples share one setup() and its messages; the
+# generic ones are tested below.
+SRUN_EXAMPLES = [
+    n for n, launch in EXAMPLES.items() if launch.launcher == "srun" and "mila" in n
+]
 
 
 def failed_run(name, launch, env=None, args=None):
@@ -111,7 +125,8 @@ def test_without_slurm_the_error_says_to_use_srun(name):
 
 @pytest.mark.parametrize("name", SRUN_EXAMPLES)
 def test_python_run_by_the_batch_script_is_refused(name):
-    # The batch script's own environment: SLURM_PROCID=0 and the job's task count, but no srun.
+    # The batch script's own environment: SLURM_PROCID=0
+    # and the job's task count, but no srun.
     batch_env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}
     run = failed_run(name, Launch("python"), env=batch_env, args=EXAMPLES[name].args)
     assert "started by the batch script, not by srun" in run.output
@@ -136,13 +151,17 @@ def test_missing_dataset_names_the_path_and_the_switch(name):
     # Every rank must stop with the message: none may wait at a barrier for the others.
     run = failed_run(name, launch, args=("--max-steps", "1"))
     for output in run.outputs:
-        assert re.search(r"CIFAR-10 not found: expected \S+/cifar-10-python\.tar\.gz", output)
+        assert re.search(
+            r"CIFAR-10 not found: expected \S+/cifar-10-python\.tar\.gz", output
+        )
         assert "--synthetic-data" in output
 
 
 @pytest.mark.parametrize("name", IBEX_EXAMPLES)
 def test_ibex_missing_dataset_names_the_folder_and_data_dir(name):
-    run = failed_run(name, EXAMPLES[name], env={"DATA_DIR": "/nonexistent/tinyimagenet"})
+    run = failed_run(
+        name, EXAMPLES[name], env={"DATA_DIR": "/nonexistent/tinyimagenet"}
+    )
     assert "TinyImageNet not found in /nonexistent/tinyimagenet" in run.output
     assert "DATA_DIR" in run.output
 
@@ -160,11 +179,12 @@ def test_tinyimagenet_validation_labels_follow_the_annotations(name, tmp_path):
     main = load_main(name)
     train, valid = main.make_datasets(tmp_path)
     assert len(valid) == len(truth)
-    # A file listed under class k in val_annotations.txt gets label k, the index that the
-    # training set's ImageFolder gave class k.
+    # A file listed under class k in val_annotations.txt gets label k, the index that
+    # the training set's ImageFolder gave class k.
     for path, label in valid.samples:
         assert train.classes[label] == truth[path.name]
-    # The labels come from the file, not from the order of the files: they are interleaved.
+    # The labels come from the file, not from the order of
+    # the files: they are interleaved.
     labels = [label for _, label in valid.samples]
     assert labels != sorted(labels)
     image, label = valid[0]
@@ -189,8 +209,10 @@ def test_one_main_py_computes_the_same_under_srun_and_torchrun(smoke_run):
         "generic/any_launcher",
         next(launch for _, launch in MORE_LAUNCHES if launch.launcher == "torchrun"),
     )
-    by_launcher = [[{k: v for k, v in s.items() if k != "launcher"} for s in run.summaries]
-                   for run in (srun, torchrun)]  # fmt: skip
+    by_launcher = [
+        [{k: v for k, v in s.items() if k != "launcher"} for s in run.summaries]
+        for run in (srun, torchrun)
+    ]
     assert srun.launch.world_size == torchrun.launch.world_size == 2
     assert by_launcher[0] == by_launcher[1]
 
@@ -198,15 +220,23 @@ def test_one_main_py_computes_the_same_under_srun_and_torchrun(smoke_run):
 @pytest.mark.parametrize(
     ("env", "found"),
     [
-        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_RANK"),
+        (
+            {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"},
+            "OMPI_COMM_WORLD_RANK",
+        ),
         ({"RANK": "0"}, "RANK"),
         ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0"}, "SLURM_NTASKS=4 without srun"),
     ],
 )
 def test_unknown_launcher_names_the_variables_looked_for(env, found):
-    run = failed_run("generic/any_launcher", Launch("python"), env=env, args=GENERIC_SMOKE_ARGS)
+    run = failed_run(
+        "generic/any_launcher", Launch("python"), env=env, args=GENERIC_SMOKE_ARGS
+    )
     assert f"cannot tell this process's rank (found {found}" in run.output
-    for name in ("RANK, LOCAL_RANK, WORLD_SIZE", "SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS"):
+    for name in (
+        "RANK, LOCAL_RANK, WORLD_SIZE",
+        "SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS",
+    ):
         assert name in run.output
 
 
@@ -221,6 +251,8 @@ def test_generic_torchrun_example_refuses_a_launch_without_torchrun():
 
 
 def test_mp_spawn_missing_dataset_names_the_path_and_the_switch(tmp_path):
-    run = failed_run("generic/mp_spawn", Launch("python"), args=("--data-dir", str(tmp_path)))
+    run = failed_run(
+        "generic/mp_spawn", Launch("python"), args=("--data-dir", str(tmp_path))
+    )
     assert f"CIFAR-10 not found: expected {tmp_path}/cifar-10-batches-py" in run.output
     assert "--synthetic-data" in run.output

@@ -1,8 +1,8 @@
 """Preemption, dying ranks and bad launches, under the real Slurm test cluster.
 
-What these tests hold the examples to: a preempted job resumes exactly where it stopped, and a
-job that cannot go on ends within a minute, with a message that names the cause, instead of
-hanging until its time limit.
+What these tests hold the examples to: a preempted job resumes exactly where it stopped,
+and a job that cannot go on ends within a minute, with a message that names the cause,
+instead of hanging until its time limit.
 """
 
 import os
@@ -29,26 +29,31 @@ from smoke import (
 
 pytestmark = pytest.mark.slurm
 
-FAIL_FAST = 60  # seconds: the longest a failing job may take to end, from submission or kill
-# A long enough run of the generic checkpointing example to interrupt it three times: 8 epochs
-# of 512 steps per rank, about 2 s each on this cluster.
+FAIL_FAST = (
+    60  # seconds: the longest a failing job may take to end, from submission or kill
+)
+# A long enough run of the generic checkpointing example to interrupt it three times: 8
+# epochs of 512 steps per rank, about 2 s each on this cluster.
 LONG_RUN = ("--epochs", "8", "--dataset-size", "16384", "--batch-size", "8")
-# As many steps per rank, with one task per node: 2 ranks, whose gradient sum does not depend on
-# the order of its terms. With 3 or more, DDP's first step after every restart adds them up in
-# another order, so a resumed run may differ from an uninterrupted one in the last bits (see the
-# troubleshooting page, and test_concepts.py).
+# As many steps per rank, with one task per node: 2 ranks, whose gradient sum does not
+# depend on the order of its terms. With 3 or more, DDP's first step after every restart
+# adds them up in another order, so a resumed run may differ from an uninterrupted one
+# in the last bits (see the troubleshooting page, and test_concepts.py).
 EXACT_RUN = ("--epochs", "8", "--dataset-size", "8192", "--batch-size", "8")
 ONE_TASK_PER_NODE = ["--ntasks-per-node=1"]
 
 
-def submit(lab: Lab, name: str, *args: str, workdir: Path, options=(), site=None, **env) -> str:
-    """Submits the example's job.sh, named after `workdir`: the run, whose checkpoints it keeps."""
+def submit(
+    lab: Lab, name: str, *args: str, workdir: Path, options=(), site=None, **env
+) -> str:
+    """Submits the example's job.sh, named after `workdir`:
+    the run, whose checkpoints it keeps."""
     workdir.mkdir(parents=True, exist_ok=True)
     script = EXAMPLES_DIR / name / "job.sh"
     options = [f"--job-name={run_name(workdir)}", *options]
     return lab.sbatch(
-        script, *args, site=site or name.split("/")[0], workdir=workdir, options=options,
-        OMP_NUM_THREADS="1", **env,
+        script, *args, site=site or name.split("/")[0], workdir=workdir,
+        options=options, OMP_NUM_THREADS="1", **env,
     )  # fmt: skip
 
 
@@ -79,12 +84,13 @@ def find_rank(job_id: str, rank: int) -> int | None:
 
 
 def checkpoint_of(lab: Lab, workdir: Path) -> dict:
-    """The checkpoint that job.sh's CHECKPOINT_DIR holds: $SCRATCH/checkpoints/<job name>."""
+    """The checkpoint that job.sh's CHECKPOINT_DIR holds:
+    $SCRATCH/checkpoints/<job name>."""
     path = lab.state / "scratch" / "checkpoints" / run_name(workdir) / "checkpoint.pt"
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------
 # Preemption and requeue
 
 
@@ -102,14 +108,19 @@ def restart_when_requeued(lab: Lab, job: str, restarts: int):
         f"requeue number {restarts}",
     )
     subprocess.run(
-        ["scontrol", "update", f"JobId={job}", "StartTime=now"], env=lab.env(), check=True
+        ["scontrol", "update", f"JobId={job}", "StartTime=now"],
+        env=lab.env(),
+        check=True,
     )
 
 
 def assert_same_summaries(resumed, uninterrupted, restarts: int) -> list[dict]:
-    """The two ranks of a resumed job report what its uninterrupted twin's do, but for the
-    restart count; returns the resumed job's summaries."""
-    mine, theirs = parse_summaries(resumed.output), parse_summaries(uninterrupted.output)
+    """The two ranks of a resumed job report what its uninterrupted twin's do, but for
+    the restart count; returns the resumed job's summaries."""
+    mine, theirs = (
+        parse_summaries(resumed.output),
+        parse_summaries(uninterrupted.output),
+    )
     assert [s.pop("restarts") for s in mine] == [restarts] * 2
     assert [s.pop("restarts") for s in theirs] == [0] * 2
     assert numbers(mine) == numbers(theirs)
@@ -123,7 +134,8 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path):
     job = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "preempted", options=options)
     output = tmp_path / "preempted" / f"slurm-{job}.out"
 
-    def requeue():  # what preemption does: SIGTERM to every process of the job, then requeue
+    # What preemption does: SIGTERM to every process of the job, then requeue.
+    def requeue():
         subprocess.run(["scontrol", "requeue", job], env=lab.env(), check=True)
 
     def warn_one_rank():  # one rank noticing must be enough for all of them to stop
@@ -149,28 +161,44 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path):
     assert uninterrupted.ok, uninterrupted.output
     assert preempted.ok, preempted.output
 
-    # Each interruption stopped every rank at one step, and the next run resumed from there.
-    stops = re.findall(r"\[(\d)/2\] Stopped at step (\d+), checkpoint saved", preempted.output)
+    # Each interruption stopped every rank at one step, and
+    # the next run resumed from there.
+    stops = re.findall(
+        r"\[(\d)/2\] Stopped at step (\d+), checkpoint saved", preempted.output
+    )
     resumes = re.findall(r"Resumed from \S+ at step (\d+)", preempted.output)
     steps = sorted({int(step) for _, step in stops})
     assert len(stops) == 3 * 2 and len(steps) == 3, preempted.output
     assert [int(step) for step in resumes] == steps, preempted.output
     assert preempted.output.count("Requeueing job") == 2, preempted.output
 
-    # The final weights, optimizer state, losses and random states are bitwise those of the
-    # run that was never interrupted; the summaries differ only in the restart count.
+    # The final weights, optimizer state, losses and random states
+    # are bitwise those of the run that was never interrupted; the
+    # summaries differ only in the restart count.
     assert_bitwise_equal(
-        checkpoint_of(lab, tmp_path / "preempted"), checkpoint_of(lab, tmp_path / "plain")
+        checkpoint_of(lab, tmp_path / "preempted"),
+        checkpoint_of(lab, tmp_path / "plain"),
     )
     mine = assert_same_summaries(preempted, uninterrupted, restarts=3)
-    print(f"preempted at steps {steps} of {mine[0]['steps']}: final state bitwise equal")
+    print(
+        f"preempted at steps {steps} of {mine[0]['steps']}: final state bitwise equal"
+    )
 
 
 def test_a_preempted_mila_job_resumes_exactly(lab, tmp_path):
-    # The Mila step has DataLoader workers, which Slurm signals too: they must not die of
-    # SIGTERM and fail their rank before it saves. 2 nodes x 1 task: short, and exact (above).
+    # The Mila step has DataLoader workers, which Slurm signals
+    # too: they must not die of SIGTERM and fail their rank before
+    # it saves. 2 nodes x 1 task: short, and exact (above).
     name = "mila/checkpointing"
-    args = ("--synthetic-data", "--synthetic-size", "600", "--batch-size", "16", "--epochs", "2")
+    args = (
+        "--synthetic-data",
+        "--synthetic-size",
+        "600",
+        "--batch-size",
+        "16",
+        "--epochs",
+        "2",
+    )
     options = ONE_TASK_PER_NODE
     plain = submit(lab, name, *args, workdir=tmp_path / "plain", options=options)
     job = submit(lab, name, *args, workdir=tmp_path / "preempted", options=options)
@@ -186,19 +214,26 @@ def test_a_preempted_mila_job_resumes_exactly(lab, tmp_path):
     text = unwrapped(preempted.output)
     stops = re.findall(r"Stopped at step (\d+), checkpoint saved", text)
     assert len(stops) == 2 and len(set(stops)) == 1, preempted.output
-    assert re.search(rf"Resumed from .+ at step {stops[0]}\b", text, re.S), preempted.output
+    assert re.search(rf"Resumed from .+ at step {stops[0]}\b", text, re.S), (
+        preempted.output
+    )
     assert "killed by signal" not in text and "exited unexpectedly" not in text
     assert_bitwise_equal(
-        checkpoint_of(lab, tmp_path / "preempted"), checkpoint_of(lab, tmp_path / "plain")
+        checkpoint_of(lab, tmp_path / "preempted"),
+        checkpoint_of(lab, tmp_path / "plain"),
     )
     mine = assert_same_summaries(preempted, uninterrupted, restarts=1)
-    print(f"mila: preempted at step {stops[0]} of {mine[0]['steps']}: final state bitwise equal")
+    print(
+        f"mila: preempted at step {stops[0]} of {mine[0]['steps']}: final state "
+        "bitwise equal"
+    )
 
 
 def test_a_warned_fsdp_job_requeues_itself_and_resumes_exactly(lab, tmp_path):
-    # The FSDP2 step: every rank saves its own shard of the checkpoint, into a folder that rank 0
-    # renames when complete; the requeued job loads the shards back. Warned with SIGUSR1, as
-    # --signal=USR1@120 warns before the time limit, rank 0 requeues the job itself.
+    # The FSDP2 step: every rank saves its own shard of the checkpoint,
+    # into a folder that rank 0 renames when complete; the requeued job
+    # loads the shards back. Warned with SIGUSR1, as --signal=USR1@120
+    # warns before the time limit, rank 0 requeues the job itself.
     name = "generic/fsdp"
     # 2 epochs of 30 steps, stopped after one of the first 15: well before the end.
     args = (*EXAMPLES[name].args, "--dataset-size", "360", "--log-every", "1")
@@ -214,34 +249,46 @@ def test_a_warned_fsdp_job_requeues_itself_and_resumes_exactly(lab, tmp_path):
     uninterrupted = lab.wait(plain, tmp_path / "plain", timeout=300)
     assert uninterrupted.ok, uninterrupted.output
     assert warned.ok, warned.output
-    stops = re.findall(r"\[\d/2\] Stopped at step (\d+), checkpoint saved", warned.output)
+    stops = re.findall(
+        r"\[\d/2\] Stopped at step (\d+), checkpoint saved", warned.output
+    )
     assert len(stops) == 2 and len(set(stops)) == 1, warned.output
     assert "Requeueing job" in warned.output
-    assert re.search(rf"Resumed from \S+ at step {stops[0]}\n", warned.output), warned.output
+    assert re.search(rf"Resumed from \S+ at step {stops[0]}\n", warned.output), (
+        warned.output
+    )
     scratch = lab.state / "scratch" / "checkpoints"
     assert_bitwise_equal(
         load_sharded_checkpoint(scratch / run_name(tmp_path / "warned")),
         load_sharded_checkpoint(scratch / run_name(tmp_path / "plain")),
     )
     mine = assert_same_summaries(warned, uninterrupted, restarts=1)
-    print(f"fsdp: warned at step {stops[0]} of {mine[0]['steps']}: final state bitwise equal")
+    print(
+        f"fsdp: warned at step {stops[0]} of {mine[0]['steps']}: final state bitwise "
+        "equal"
+    )
 
 
 def test_a_cancelled_job_resumes_when_resubmitted(lab, tmp_path):
-    # scancel, a time limit or a failed requeue end the job for good; the user submits job.sh
-    # again, which gives it a new job ID. Checkpoints kept under the job name let it resume.
+    # scancel, a time limit or a failed requeue end the job for
+    # good; the user submits job.sh again, which gives it a new
+    # job ID. Checkpoints kept under the job name let it resume.
     name = "generic/checkpointing"
     options = ONE_TASK_PER_NODE
     plain = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "plain", options=options)
     first = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "run", options=options)
     output = tmp_path / "run" / f"slurm-{first}.out"
-    wait_until(lambda: "epoch 0: mean loss" in read(output), 120, "an epoch of training")
+    wait_until(
+        lambda: "epoch 0: mean loss" in read(output), 120, "an epoch of training"
+    )
     time.sleep(random.uniform(0.1, 1.5))
     # SIGTERM to every process of the job, then SIGKILL after KillWait: time to save.
     subprocess.run(["scancel", first], env=lab.env(), check=True)
     cancelled = lab.wait(first, tmp_path / "run", timeout=120)
     assert cancelled.state == "CANCELLED", cancelled.output
-    stops = re.findall(r"\[\d/2\] Stopped at step (\d+), checkpoint saved", cancelled.output)
+    stops = re.findall(
+        r"\[\d/2\] Stopped at step (\d+), checkpoint saved", cancelled.output
+    )
     assert len(stops) == 2 and len(set(stops)) == 1, cancelled.output
     assert "Requeueing job" not in cancelled.output
 
@@ -258,17 +305,21 @@ def test_a_cancelled_job_resumes_when_resubmitted(lab, tmp_path):
     assert numbers(parse_summaries(resubmitted.output)) == numbers(
         parse_summaries(uninterrupted.output)
     )
-    print(f"cancelled at step {stops[0]}, resubmitted as job {again}: final state bitwise equal")
+    print(
+        f"cancelled at step {stops[0]}, resubmitted as job {again}: final state "
+        "bitwise equal"
+    )
 
 
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------
 # A rank dies
 
 
 def test_a_killed_rank_ends_the_whole_job_at_once(lab, tmp_path):
-    # A rank that dies must end the job, with the dead task named, not leave it hanging. srun
-    # --kill-on-bad-exit=1 sees to it for any backend. (gloo, which the CPU runs use, also
-    # notices the closed connections by itself; NCCL often waits until its timeout.)
+    # A rank that dies must end the job, with the dead task named, not
+    # leave it hanging. srun --kill-on-bad-exit=1 sees to it for any
+    # backend. (gloo, which the CPU runs use, also notices the closed
+    # connections by itself; NCCL often waits until its timeout.)
     job_id = submit(lab, "generic/checkpointing", *LONG_RUN, workdir=tmp_path)
     output = tmp_path / f"slurm-{job_id}.out"
     wait_until(lambda: "epoch 0: mean loss" in read(output), 120, "training")
@@ -282,7 +333,7 @@ def test_a_killed_rank_ends_the_whole_job_at_once(lab, tmp_path):
     print(f"rank 1 killed: the job ended in {took:.1f} s")
 
 
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------
 # Bad launches: each ends the job within a minute, with the cause and the fix
 
 
@@ -297,7 +348,8 @@ def timed_job(lab: Lab, job_id: str, workdir: Path, what: str):
     return job
 
 
-# How each site's scripts make torch importable, for the hand-written wrong scripts below.
+# How each site's scripts make torch importable, for the
+# hand-written wrong scripts below.
 SITE_SETUP = {
     "generic": 'source "$HOME/venvs/ddp/bin/activate"',
     "mila": "module load anaconda/3 && conda activate pytorch",
@@ -316,12 +368,13 @@ SITE_SETUP = {
     ],
 )
 def test_python_without_srun_fails_fast(lab, tmp_path, name, args, message):
-    # The classic hang: `python main.py` in a job of 4 tasks starts one process, which would
-    # wait forever for the other three.
+    # The classic hang: `python main.py` in a job of 4 tasks starts one process, which
+    # would wait forever for the other three.
     site = name.split("/")[0]
     script = tmp_path / "wrong.sh"
     script.write_text(
-        f"#!/bin/bash\n{SITE_SETUP[site]}\ncd {EXAMPLES_DIR / name}\npython main.py {args}\n"
+        f"#!/bin/bash\n{SITE_SETUP[site]}\ncd {EXAMPLES_DIR / name}\npython main.py "
+        f"{args}\n"
     )
     options = ["--nodes=2", "--ntasks-per-node=2"]
     job_id = lab.sbatch(script, site=site, workdir=tmp_path, options=options)
@@ -331,7 +384,9 @@ def test_python_without_srun_fails_fast(lab, tmp_path, name, args, message):
 
 def test_resuming_with_another_task_count_fails_fast(lab, tmp_path):
     name = "generic/checkpointing"
-    first = submit(lab, name, "--epochs", "1", "--dataset-size", "256", workdir=tmp_path)
+    first = submit(
+        lab, name, "--epochs", "1", "--dataset-size", "256", workdir=tmp_path
+    )
     assert lab.wait(first, tmp_path, timeout=120).ok
     checkpoints = lab.state / "scratch" / "checkpoints" / run_name(tmp_path)
     # The same checkpoints, with 2 tasks instead of 4.
@@ -351,7 +406,8 @@ def test_master_port_in_use_fails_fast(lab, tmp_path):
     holder = subprocess.Popen(
         ["ip", "netns", "exec", "ddplab-cn1", "python3", "-c",
          "import socket, sys, time; s = socket.socket(); "
-         f"s.bind(('0.0.0.0', {port})); s.listen(); print('bound', flush=True); time.sleep(300)"],
+         f"s.bind(('0.0.0.0', {port})); s.listen(); "
+         "print('bound', flush=True); time.sleep(300)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -361,13 +417,16 @@ def test_master_port_in_use_fails_fast(lab, tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    assert f"rank 0 cannot listen on port {port} of cn1: another process holds it" in job.output
+    assert (
+        f"rank 0 cannot listen on port {port} of cn1: another process holds it"
+        in job.output
+    )
 
 
 def test_a_head_node_that_never_comes_up_fails_fast(lab, tmp_path):
-    # MASTER_ADDR names cn1, but every task runs on cn2: nothing will ever listen on cn1, as
-    # when the first node is down or its task never started. The rendezvous gives up after
-    # the short timeout that main.py sets, instead of torch's 30 minutes.
+    # MASTER_ADDR names cn1, but every task runs on cn2: nothing will ever listen on
+    # cn1, as when the first node is down or its task never started. The rendezvous
+    # gives up after the short timeout that main.py sets, instead of torch's 30 minutes.
     name = "generic/checkpointing"
     script = tmp_path / "wrong.sh"
     script.write_text(
@@ -377,29 +436,35 @@ def test_a_head_node_that_never_comes_up_fails_fast(lab, tmp_path):
         "python main.py --rendezvous-timeout 15\n"
     )
     job_id = lab.sbatch(
-        script, site="generic", workdir=tmp_path, options=["--nodes=2", "--ntasks-per-node=2"],
-        OMP_NUM_THREADS="1",
+        script, site="generic", workdir=tmp_path,
+        options=["--nodes=2", "--ntasks-per-node=2"], OMP_NUM_THREADS="1",
     )  # fmt: skip
     job = timed_job(lab, job_id, tmp_path, "head node never up")
-    assert re.search(r"waited 15 s for the rendezvous at cn1:\d+", job.output), job.output
+    assert re.search(r"waited 15 s for the rendezvous at cn1:\d+", job.output), (
+        job.output
+    )
 
 
 def test_a_site_without_scratch_stops_before_srun(lab, tmp_path):
-    # Without $SCRATCH the checkpoints would go to /checkpoints, which a user cannot write to:
-    # rank 0 would die at its first save, an epoch into the job. job.sh stops before srun.
+    # Without $SCRATCH the checkpoints would go to /checkpoints,
+    # which a user cannot write to: rank 0 would die at its first
+    # save, an epoch into the job. job.sh stops before srun.
     name = "generic/checkpointing"
-    job_id = submit(lab, name, *EXAMPLES[name].args, workdir=tmp_path, site="no_scratch")
+    job_id = submit(
+        lab, name, *EXAMPLES[name].args, workdir=tmp_path, site="no_scratch"
+    )
     job = timed_job(lab, job_id, tmp_path, "no $SCRATCH")
     assert "SCRATCH: is not set: set it, or this line, to shared storage" in job.output
     assert "Running on" not in job.output
 
 
 def test_a_job_given_gpus_that_cuda_cannot_use_fails_fast(lab, tmp_path):
-    # The lab's GPUs are stand-ins, as unusable to CUDA as GPUs behind a too-old driver. Without
-    # TRAIN_ON_CPU=1, which the site profiles set, the job must stop, not train on CPUs.
+    # The lab's GPUs are stand-ins, as unusable to CUDA as GPUs
+    # behind a too-old driver. Without TRAIN_ON_CPU=1, which the
+    # site profiles set, the job must stop, not train on CPUs.
     job_id = submit(
-        lab, "generic/srun_tasks", *EXAMPLES["generic/srun_tasks"].args, workdir=tmp_path,
-        TRAIN_ON_CPU="",
+        lab, "generic/srun_tasks", *EXAMPLES["generic/srun_tasks"].args,
+        workdir=tmp_path, TRAIN_ON_CPU="",
     )  # fmt: skip
     job = timed_job(lab, job_id, tmp_path, "GPUs that CUDA cannot use")
     assert re.search(

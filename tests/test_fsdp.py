@@ -1,4 +1,5 @@
-"""The FSDP2 example: right against a single process, sharded, and resumable on any world size.
+"""The FSDP2 example: right against a single process,
+sharded, and resumable on any world size.
 
 Direct runs without Slurm, on CPUs with gloo, as in smoke.py. test_failures.py stops and
 requeues the example under the real Slurm test cluster.
@@ -43,7 +44,8 @@ def layout(world_size: int) -> Launch:
 
 
 def record_steps(world_size: int, tmp_path: Path, **env) -> list[dict]:
-    """Runs an epoch of the example on `world_size` ranks; returns each step's full state."""
+    """Runs an epoch of the example on `world_size` ranks;
+    returns each step's full state."""
     launch, port = layout(world_size), free_port()
     out = tmp_path / f"steps-{world_size}.pt"
     procs, logs = [], [tmp_path / f"rank{rank}.log" for rank in range(world_size)]
@@ -53,7 +55,12 @@ def record_steps(world_size: int, tmp_path: Path, **env) -> list[dict]:
         with log.open("w") as output:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(TESTS / "fsdp_steps.py"), str(out), *ONE_EPOCH],
+                    [
+                        sys.executable,
+                        str(TESTS / "fsdp_steps.py"),
+                        str(out),
+                        *ONE_EPOCH,
+                    ],
                     cwd=tmp_path,
                     env=proc_env,
                     stdout=output,
@@ -77,12 +84,15 @@ def single_process(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_gradients_and_weights_match_a_single_process(tmp_path, single_process, world_size):
-    # The same global batches on 1 and on N processes: FSDP2 must give the same mean gradient,
-    # and so the same weights, up to the order in which float32 sums are added. Measured: about
-    # 4e-8 for gradients up to 0.05, and 7.5e-7 for weights. Adam makes the weights' the larger:
-    # it divides each gradient by its own size, so where one is near its eps (1e-8), a rounding
-    # difference of 1e-11 in it moves that weight by up to 1e-6. A step moves weights by 1e-3.
+def test_gradients_and_weights_match_a_single_process(
+    tmp_path, single_process, world_size
+):
+    # The same global batches on 1 and on N processes: FSDP2 must give the same mean
+    # gradient, and so the same weights, up to the order in which float32 sums are
+    # added. Measured: about 4e-8 for gradients up to 0.05, and 7.5e-7 for weights. Adam
+    # makes the weights' the larger: it divides each gradient by its own size, so where
+    # one is near its eps (1e-8), a rounding difference of 1e-11 in it moves that weight
+    # by up to 1e-6. A step moves weights by 1e-3.
     sharded = record_steps(world_size, tmp_path)
     assert len(sharded) == len(single_process) == 8
     worst = {"gradients": 0.0, "weights": 0.0}
@@ -91,7 +101,9 @@ def test_gradients_and_weights_match_a_single_process(tmp_path, single_process, 
         assert scale > 1e-4, "gradients vanished: the comparison would prove nothing"
         grads = largest_difference(mine["grads"], reference["grads"])
         params = largest_difference(mine["params"], reference["params"])
-        assert grads <= 1e-5 * scale, f"step {step + 1}: gradients differ by {grads:.2e}"
+        assert grads <= 1e-5 * scale, (
+            f"step {step + 1}: gradients differ by {grads:.2e}"
+        )
         assert params <= 1e-5, f"step {step + 1}: weights differ by {params:.2e}"
         worst = {
             "gradients": max(worst["gradients"], grads),
@@ -101,39 +113,47 @@ def test_gradients_and_weights_match_a_single_process(tmp_path, single_process, 
 
 
 def test_gradients_summed_instead_of_averaged_are_caught(tmp_path, single_process):
-    # The bug class of pytorch#162338, where gloo summed what FSDP2 asked it to average. AdamW
-    # hides it in the weights (its steps hardly depend on the gradient's scale), so the test
-    # above compares the gradients themselves: they must come out twice too large here.
+    # The bug class of pytorch#162338, where gloo summed what FSDP2
+    # asked it to average. AdamW hides it in the weights (its steps
+    # hardly depend on the gradient's scale), so the test above compares
+    # the gradients themselves: they must come out twice too large here.
     summed = record_steps(2, tmp_path, FSDP_AVG_AS_SUM="1")
     first, reference = summed[0]["grads"], single_process[0]["grads"]
     for name in reference:
-        torch.testing.assert_close(first[name], 2 * reference[name], rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(
+            first[name], 2 * reference[name], rtol=1e-5, atol=1e-8
+        )
     with pytest.raises(AssertionError):
         torch.testing.assert_close(first, reference, rtol=1e-5, atol=1e-8)
 
 
-# Long enough to be stopped in the middle: 2 epochs of 30 steps, the loss logged every step.
-# The stop comes after one of the first 15, well before the end.
+# Long enough to be stopped in the middle: 2 epochs of 30 steps, the loss logged every
+# step. The stop comes after one of the first 15, well before the end.
 LONG_ARGS = (*ARGS, "--dataset-size", "360", "--log-every", "1")
 
 
 def step_losses(output: str) -> dict[int, float]:
-    return {int(step): float(loss) for step, loss in re.findall(r"step (\d+): loss (\S+)", output)}
+    return {
+        int(step): float(loss)
+        for step, loss in re.findall(r"step (\d+): loss (\S+)", output)
+    }
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """A whole run on 2 processes, and the folder of its checkpoints."""
     checkpoints = tmp_path_factory.mktemp("plain")
-    run = run_example(NAME, layout(2), LONG_ARGS, env={"CHECKPOINT_DIR": str(checkpoints)})
+    run = run_example(
+        NAME, layout(2), LONG_ARGS, env={"CHECKPOINT_DIR": str(checkpoints)}
+    )
     assert run.ok, run.output
     return run, checkpoints
 
 
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory):
-    """A run on 2 processes stopped at a random step, then resumed on 3: the step, the resumed
-    run, and the folder of its checkpoints."""
+    """A run on 2 processes stopped at a random step, then resumed on 3: the step, the
+    resumed run, and the folder of its checkpoints."""
     checkpoints = tmp_path_factory.mktemp("resharded")
     env = {"CHECKPOINT_DIR": str(checkpoints)}
     stopped = run_example(
@@ -148,7 +168,8 @@ def resharded(tmp_path_factory):
 
 
 def stop_after_a_random_step(procs, logs: list[Path]):
-    """SIGTERM to rank 1 once rank 0 has logged a step drawn at random, as preemption does."""
+    """SIGTERM to rank 1 once rank 0 has logged a step
+    drawn at random, as preemption does."""
     step = random.randint(3, 15)
     deadline = time.monotonic() + 120
     while f"step {step}:" not in logs[0].read_text() and time.monotonic() < deadline:
@@ -162,10 +183,13 @@ def test_each_rank_holds_its_share_of_the_model_and_optimizer(uninterrupted, res
         world_size = run.launch.world_size
         shards = sorted(decode_records(run.output, "shards: "), key=lambda s: s["rank"])
         assert [s["rank"] for s in shards] == list(range(world_size)), run.output
-        # Counted from each rank's own shards: together the whole model, each about 1/N of it.
+        # Counted from each rank's own shards: together the
+        # whole model, each about 1/N of it.
         assert sum(s["parameters"] for s in shards) == total
         for s in shards:
-            assert abs(s["parameters"] - total / world_size) <= 0.05 * total / world_size, s
+            assert (
+                abs(s["parameters"] - total / world_size) <= 0.05 * total / world_size
+            ), s
             # AdamW's two moments, sharded like the parameters.
             assert s["optimizer_state"] == 2 * s["parameters"], s
 
@@ -174,16 +198,21 @@ def full_model():
     fsdp = load_main(NAME)
     args = fsdp.parse_args(list(ARGS))
     with torch.device("meta"):
-        return fsdp.TinyLM(args.vocab_size, args.seq_len, args.dim, args.heads, args.layers)
+        return fsdp.TinyLM(
+            args.vocab_size, args.seq_len, args.dim, args.heads, args.layers
+        )
 
 
 def test_a_checkpoint_of_2_processes_resumes_on_3(uninterrupted, resharded):
-    # DCP reshards on loading, and the global batches do not depend on the number of processes:
-    # training goes on as on 2 processes, up to the order of float32 sums. (Exact resumption on
-    # the same number of processes is tested under Slurm, in test_failures.py.)
+    # DCP reshards on loading, and the global batches do not depend on
+    # the number of processes: training goes on as on 2 processes, up
+    # to the order of float32 sums. (Exact resumption on the same
+    # number of processes is tested under Slurm, in test_failures.py.)
     plain, plain_checkpoints = uninterrupted
     step, resumed, checkpoints = resharded
-    assert f"at step {step}, resharded from 2 processes" in resumed.output, resumed.output
+    assert f"at step {step}, resharded from 2 processes" in resumed.output, (
+        resumed.output
+    )
     expected, got = step_losses(plain.output), step_losses(resumed.output)
     assert sorted(got) == list(range(step + 1, max(expected) + 1))
     worst = max(abs(got[s] - expected[s]) for s in got)
@@ -191,13 +220,19 @@ def test_a_checkpoint_of_2_processes_resumes_on_3(uninterrupted, resharded):
     assert worst <= 2e-5, f"losses after resharding differ by up to {worst:.2e}"
     mine = load_sharded_checkpoint(checkpoints)
     theirs = load_sharded_checkpoint(plain_checkpoints)
-    weights = max((mine["model"][k] - theirs["model"][k]).abs().max().item() for k in mine["model"])
+    weights = max(
+        (mine["model"][k] - theirs["model"][k]).abs().max().item()
+        for k in mine["model"]
+    )
     assert weights <= 1e-5, f"weights differ by {weights:.2e}"
     print(f"2 -> 3 at step {step}: losses within {worst:.1e}, weights {weights:.1e}")
 
 
-def run_fails(tmp_path: Path, *args: str, world_size: int = 2, checkpoints: Path | None = None):
-    """Runs the example, which must fail on every rank without training; returns its output."""
+def run_fails(
+    tmp_path: Path, *args: str, world_size: int = 2, checkpoints: Path | None = None
+):
+    """Runs the example, which must fail on every rank
+    without training; returns its output."""
     env = {"CHECKPOINT_DIR": str(checkpoints or tmp_path / "checkpoints")}
     run = run_example(NAME, layout(world_size), (*ARGS, *args), env=env, timeout=60)
     assert all(code != 0 for code in run.returncodes), run.output
@@ -209,9 +244,17 @@ def run_fails(tmp_path: Path, *args: str, world_size: int = 2, checkpoints: Path
     ("args", "world_size", "message"),
     [
         (("--dim", "30", "--heads", "4"), 2, "--dim 30 does not divide into --heads 4"),
-        (("--global-batch-size", "13"), 2, "--global-batch-size 13 does not divide among 2"),
+        (
+            ("--global-batch-size", "13"),
+            2,
+            "--global-batch-size 13 does not divide among 2",
+        ),
         (("--global-batch-size", "120"), 2, "at most the 96 sequences of the data"),
-        (("--data-file", "/nonexistent/train.bin"), 2, "/nonexistent/train.bin: no such file"),
+        (
+            ("--data-file", "/nonexistent/train.bin"),
+            2,
+            "/nonexistent/train.bin: no such file",
+        ),
     ],
 )
 def test_a_model_or_batch_that_does_not_divide_stops_with_the_cause(
@@ -224,13 +267,15 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path, uninterrupted):
     _, checkpoints = uninterrupted
     copy = tmp_path / "copy"
     shutil.copytree(checkpoints, copy)
-    output = run_fails(tmp_path, "--dataset-size", "360", "--layers", "3", checkpoints=copy)
+    output = run_fails(
+        tmp_path, "--dataset-size", "360", "--layers", "3", checkpoints=copy
+    )
     assert "belongs to a run with other settings (--layers 2 -> 3)" in output
 
 
 def test_a_checkpoint_missing_a_shard_is_refused(tmp_path, uninterrupted):
-    # What a checkpoint folder on a node's own disk looks like from the first node: the shard
-    # files of the other nodes' ranks are not there.
+    # What a checkpoint folder on a node's own disk looks like from the first node: the
+    # shard files of the other nodes' ranks are not there.
     _, checkpoints = uninterrupted
     copy = tmp_path / "copy"
     shutil.copytree(checkpoints, copy)
@@ -242,8 +287,8 @@ def test_a_checkpoint_missing_a_shard_is_refused(tmp_path, uninterrupted):
 
 
 def test_trains_on_a_file_of_token_ids(tmp_path):
-    # The same counting sequences as the synthetic data, written as nanoGPT's scripts write
-    # token ids: uint16, one after the other.
+    # The same counting sequences as the synthetic data, written as nanoGPT's scripts
+    # write token ids: uint16, one after the other.
     tokens = (torch.arange(96 * 17) * 3 % 64).to(torch.int16).numpy().astype("uint16")
     data = tmp_path / "train.bin"
     tokens.tofile(data)
@@ -251,7 +296,8 @@ def test_trains_on_a_file_of_token_ids(tmp_path):
     run = run_example(NAME, layout(2), (*ARGS, "--data-file", str(data)), env=env)
     assert check_run(run) == [], run.output
     assert run.summaries[0]["last_loss"] < run.summaries[0]["first_loss"]
-    # A single token id past the vocabulary stops every rank before training, with both numbers.
+    # A single token id past the vocabulary stops every
+    # rank before training, with both numbers.
     tokens[1000] = 64
     tokens.tofile(data)
     output = run_fails(tmp_path / "again", "--data-file", str(data))
@@ -265,10 +311,18 @@ def test_the_memory_table_on_the_page_is_what_the_script_measures():
         env=base_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout == table.read_text(), "run the script again, into docs/fsdp-memory.csv"
+    assert result.stdout == table.read_text(), (
+        "run the script again, into docs/fsdp-memory.csv"
+    )
     rows = {(r["Processes"], r["Strategy"]): r for r in csv.DictReader(table.open())}
-    total = lambda processes, strategy: float(rows[processes, strategy]["Total (MiB)"])  # noqa: E731
+
+    def total(processes, strategy):
+        return float(rows[processes, strategy]["Total (MiB)"])
+
     for processes in ("1", "2", "4"):
-        # DDP holds everything everywhere; FSDP2 splits it, to within a shard's rounding.
+        # DDP holds everything everywhere; FSDP2 splits it,
+        # to within a shard's rounding.
         assert total(processes, "DDP") == total("1", "DDP")
-        assert abs(total(processes, "FSDP2") - total("1", "DDP") / int(processes)) <= 0.2
+        assert (
+            abs(total(processes, "FSDP2") - total("1", "DDP") / int(processes)) <= 0.2
+        )

@@ -1,9 +1,11 @@
-"""What a real GPU node does with the examples, where the CPU test cluster cannot show it.
+"""What a real GPU node does with the examples, where the
+CPU test cluster cannot show it.
 
-The Slurm tests run every job.sh on CPUs with stand-in GPUs. These tests check the rest: that
-each GPU type a job.sh asks for can run the torch build it installs, that a task given GPUs
-which CUDA cannot use stops instead of training on CPUs, how a process picks its GPU and counts
-its DataLoader workers, and what the pages say about NCCL and DDP against this torch.
+The Slurm tests run every job.sh on CPUs with stand-in GPUs. These tests
+check the rest: that each GPU type a job.sh asks for can run the torch build
+it installs, that a task given GPUs which CUDA cannot use stops instead of
+training on CPUs, how a process picks its GPU and counts its DataLoader
+workers, and what the pages say about NCCL and DDP against this torch.
 """
 
 import re
@@ -18,8 +20,9 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 JOB_SCRIPTS = sorted(EXAMPLES_DIR.glob("**/job.sh"))
 NAMES = sorted(EXAMPLES)
 
-# Compute capability of each GPU type or node feature that a job.sh may name, from NVIDIA's
-# tables (developer.nvidia.com/cuda-gpus and its legacy page). Add a type before using it.
+# Compute capability of each GPU type or node feature that a job.sh
+# may name, from NVIDIA's tables (developer.nvidia.com/cuda-gpus
+# and its legacy page). Add a type before using it.
 COMPUTE_CAPABILITY = {
     "p100": (6, 0),
     "gtx1080ti": (6, 1),
@@ -35,10 +38,18 @@ COMPUTE_CAPABILITY = {
     "h100": (9, 0),
     "h200": (9, 0),
 }
-# Node features of the guide's clusters that name no GPU (Ibex: GPUs per node, CPU models).
-OTHER_FEATURES = {"4gpus", "8gpus", "gpu_ai", "cpu_intel_gold_6142", "cpu_intel_e5_2699_v3"}
-# The oldest NVIDIA driver that runs each CUDA major version of a torch build (Linux; NVIDIA's
-# CUDA compatibility guide: a 13.x build needs 580 or newer, a 12.x build 525 or newer).
+# Node features of the guide's clusters that name no GPU
+# (Ibex: GPUs per node, CPU models).
+OTHER_FEATURES = {
+    "4gpus",
+    "8gpus",
+    "gpu_ai",
+    "cpu_intel_gold_6142",
+    "cpu_intel_e5_2699_v3",
+}
+# The oldest NVIDIA driver that runs each CUDA major version
+# of a torch build (Linux; NVIDIA's CUDA compatibility guide:
+# a 13.x build needs 580 or newer, a 12.x build 525 or newer).
 DRIVER_FOR_CUDA = {"13": 580, "12": 525}
 # Short forms of the #SBATCH options that ask for GPUs or node features.
 SHORT_OPTIONS = {"C": "constraint", "G": "gpus"}
@@ -47,11 +58,14 @@ SHORT_OPTIONS = {"C": "constraint", "G": "gpus"}
 def gpu_types(script: str) -> set[str]:
     """The GPU types and node features that a job script asks for, lower-cased."""
     found = set()
-    lines = re.findall(r"^#SBATCH\s+(?:--([\w-]+)|-(\w))(?:[=\s]\s*(\S+))?", script, re.M)
+    lines = re.findall(
+        r"^#SBATCH\s+(?:--([\w-]+)|-(\w))(?:[=\s]\s*(\S+))?", script, re.M
+    )
     for long, short, value in lines:
         option = long or SHORT_OPTIONS.get(short, short)
         if option == "constraint":
-            # features joined by & (and) or | (or), maybe in brackets, maybe with a *count
+            # features joined by & (and) or | (or), maybe
+            # in brackets, maybe with a *count
             features = re.split(r"[&|,()\[\]]", value.strip("'\""))
             found |= {f.split("*")[0] for f in features if f}
         elif option in ("gpus", "gpus-per-node", "gpus-per-task", "gres"):
@@ -74,8 +88,8 @@ def installed_build(script: str) -> tuple[str, str]:
 def runs_on(arch_list: list[str], capability: tuple[int, int]) -> bool:
     """Whether a build with these kernels runs on a GPU of this compute capability.
 
-    A kernel built for sm_XY runs on any GPU of major version X and minor version Y or more; a
-    compute_XY entry (PTX) compiles at run time for XY or newer.
+    A kernel built for sm_XY runs on any GPU of major version X and minor version Y or
+    more; a compute_XY entry (PTX) compiles at run time for XY or newer.
     """
     major, minor = capability
     for arch in arch_list:
@@ -88,7 +102,7 @@ def runs_on(arch_list: list[str], capability: tuple[int, int]) -> bool:
     return False
 
 
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------
 # The build a job installs, against the GPUs it asks for
 
 
@@ -105,9 +119,11 @@ def test_arch_rule_matches_nvidias_compatibility():
 def test_every_gpu_a_job_asks_for_runs_the_build_it_installs(script):
     text = script.read_text()
     version, index = installed_build(text)
-    # The build that the test environment installs is the one the scripts name: its arch list
-    # and CUDA version come from torch itself, not from a table.
-    assert (version, index) == ("2.14.1", "pypi"), f"add the arch list of torch {version} {index}"
+    # The build that the test environment installs is the one the scripts name: its arch
+    # list and CUDA version come from torch itself, not from a table.
+    assert (version, index) == ("2.14.1", "pypi"), (
+        f"add the arch list of torch {version} {index}"
+    )
     assert torch.__version__.split("+")[0] == version
     arch_list, cuda = torch.cuda.get_arch_list(), torch.version.cuda
     assert arch_list, "this torch has no CUDA kernels"
@@ -116,13 +132,15 @@ def test_every_gpu_a_job_asks_for_runs_the_build_it_installs(script):
     assert not unknown, f"add the compute capability of {unknown} to COMPUTE_CAPABILITY"
     for gpu in sorted(asked & COMPUTE_CAPABILITY.keys()):
         assert runs_on(arch_list, COMPUTE_CAPABILITY[gpu]), (
-            f"{gpu} (sm_{''.join(map(str, COMPUTE_CAPABILITY[gpu]))}) cannot run torch {version} "
-            f"from {index}, built for {arch_list}"
+            f"{gpu} (sm_{''.join(map(str, COMPUTE_CAPABILITY[gpu]))}) cannot run torch "
+            f"{version} from {index}, built for {arch_list}"
         )
     # The comment names the driver that the build's CUDA needs.
     driver = re.search(r"NVIDIA driver (\d+) or newer", text)
     needed = DRIVER_FOR_CUDA[cuda.split(".")[0]]
-    assert driver and int(driver[1]) == needed, f"CUDA {cuda} needs driver {needed} or newer"
+    assert driver and int(driver[1]) == needed, (
+        f"CUDA {cuda} needs driver {needed} or newer"
+    )
 
 
 def test_gpu_types_are_read_from_every_form_of_request():
@@ -131,14 +149,27 @@ def test_gpu_types_are_read_from_every_form_of_request():
         '#SBATCH --gres=gpu:v100:2\n#SBATCH --gpus=4\n#SBATCH -C "[p100|t4]"\n'
         "#SBATCH --gres gpu:h100:1\n#SBATCH -G l40s:2\n"
     )
-    assert gpu_types(script) == {"rtx8000", "a100", "4gpus", "v100", "p100", "t4", "h100", "l40s"}
+    assert gpu_types(script) == {
+        "rtx8000",
+        "a100",
+        "4gpus",
+        "v100",
+        "p100",
+        "t4",
+        "h100",
+        "l40s",
+    }
 
 
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------
 # A task given GPUs that CUDA cannot use
 
 
-GPUS_GIVEN = {"SLURM_GPUS_ON_NODE": "2", "CUDA_VISIBLE_DEVICES": "0,1", "TRAIN_ON_CPU": ""}
+GPUS_GIVEN = {
+    "SLURM_GPUS_ON_NODE": "2",
+    "CUDA_VISIBLE_DEVICES": "0,1",
+    "TRAIN_ON_CPU": "",
+}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -159,17 +190,23 @@ def test_every_example_refuses_gpus_that_cuda_cannot_use(monkeypatch, name):
 
 # One example per launch: python, srun, torchrun and mp.spawn.
 @pytest.mark.parametrize(
-    "name", ["mila/single_gpu", "generic/srun_tasks", "ibex/single_node", "generic/mp_spawn"]
+    "name",
+    ["mila/single_gpu", "generic/srun_tasks", "ibex/single_node", "generic/mp_spawn"],
 )
 def test_a_task_given_gpus_that_cuda_cannot_use_stops_at_once(name):
-    # This machine's CUDA build of torch finds no GPU, as on a node whose driver is too old.
+    # This machine's CUDA build of torch finds no GPU, as
+    # on a node whose driver is too old.
     if torch.cuda.is_available():
         pytest.skip("needs a machine where CUDA finds no GPU")
     run = run_example(name, env=GPUS_GIVEN, timeout=120)
     assert not run.ok and not run.summaries, run.output
-    assert "was given GPUs (SLURM_GPUS_ON_NODE=2, CUDA_VISIBLE_DEVICES=0,1)" in run.output
+    assert (
+        "was given GPUs (SLURM_GPUS_ON_NODE=2, CUDA_VISIBLE_DEVICES=0,1)" in run.output
+    )
     assert "set TRAIN_ON_CPU=1" in run.output
-    assert "Running on" not in run.output  # before any training, and before the rendezvous
+    assert (
+        "Running on" not in run.output
+    )  # before any training, and before the rendezvous
 
 
 def test_without_gpus_an_example_trains_on_cpus_unasked():
@@ -179,7 +216,7 @@ def test_without_gpus_an_example_trains_on_cpus_unasked():
     assert "device cpu" in run.output
 
 
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------
 # Which GPU a process takes
 
 
@@ -187,10 +224,18 @@ def test_without_gpus_an_example_trains_on_cpus_unasked():
 @pytest.mark.parametrize(
     ("visible", "local_rank", "expected"),
     [
-        (1, 3, 0),  # bound: --gpus-per-task, --gpu-bind or a MIG slice shows the task its own
+        (
+            1,
+            3,
+            0,
+        ),  # bound: --gpus-per-task, --gpu-bind or a MIG slice shows the task its own
         (4, 3, 3),  # the node's GPUs, shared by its tasks: the local rank picks one
         (4, 0, 0),
-        (2, 3, None),  # fewer GPUs than processes on the node: stop, rather than share one
+        (
+            2,
+            3,
+            None,
+        ),  # fewer GPUs than processes on the node: stop, rather than share one
     ],
 )
 def test_a_process_takes_its_own_gpu_however_slurm_binds_them(
@@ -203,7 +248,9 @@ def test_a_process_takes_its_own_gpu_however_slurm_binds_them(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     if expected is None:
-        with pytest.raises(SystemExit, match=f"sees {visible} GPUs, none of them its own"):
+        with pytest.raises(
+            SystemExit, match=f"sees {visible} GPUs, none of them its own"
+        ):
             module.get_device(local_rank)
         return
     device = module.get_device(local_rank)
@@ -213,20 +260,28 @@ def test_a_process_takes_its_own_gpu_however_slurm_binds_them(
     assert module.get_device(local_rank) == torch.device("cpu")
 
 
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------
 # How many DataLoader workers
 
 
 @pytest.mark.parametrize(
     "name",
-    [n for n in NAMES if "def get_num_workers" in (EXAMPLES_DIR / n / "main.py").read_text()],
+    [
+        n
+        for n in NAMES
+        if "def get_num_workers" in (EXAMPLES_DIR / n / "main.py").read_text()
+    ],
 )
 @pytest.mark.parametrize(
     ("affinity", "cpus_per_task", "per_process"),
     [
         (8, "64", 8),  # Slurm bound the task to 8 CPUs: SLURM_CPUS_PER_TASK says more
         (8, None, 8),
-        (64, "8", 8),  # a site that binds no task: the whole node is visible, keep to the ask
+        (
+            64,
+            "8",
+            8,
+        ),  # a site that binds no task: the whole node is visible, keep to the ask
         (1, "8", 1),  # Slurm 22.05 to 23.02, srun without -c: the step got one CPU
     ],
 )
@@ -234,7 +289,9 @@ def test_workers_are_counted_from_the_cpus_a_process_may_use(
     monkeypatch, name, affinity, cpus_per_task, per_process
 ):
     module = load_main(name)
-    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: set(range(affinity)))
+    monkeypatch.setattr(
+        module.os, "sched_getaffinity", lambda pid: set(range(affinity))
+    )
     if cpus_per_task is None:
         monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     else:
@@ -252,9 +309,9 @@ def test_workers_are_counted_from_the_cpus_a_process_may_use(
 
 
 def test_every_process_seeds_its_own_dataloader_workers():
-    # Workers draw their random numbers (augmentations) from a seed that the DataLoader takes
-    # from its generator. With one seed on every rank, rank r's k-th sample would be cropped
-    # and flipped as every other rank's k-th sample.
+    # Workers draw their random numbers (augmentations) from a seed that the DataLoader
+    # takes from its generator. With one seed on every rank, rank r's k-th sample would
+    # be cropped and flipped as every other rank's k-th sample.
     checked = []
     for path in sorted(EXAMPLES_DIR.glob("**/main.py")):
         source = path.read_text()
@@ -266,14 +323,14 @@ def test_every_process_seeds_its_own_dataloader_workers():
 
 def test_mp_spawn_holds_its_port_from_choice_to_use():
     # A free port found by binding port 0 and closing the socket can be taken by another
-    # process before rank 0 binds it again. mp_spawn's parent binds the store itself, on port
-    # 0, and keeps it for the children.
+    # process before rank 0 binds it again. mp_spawn's parent binds the store itself, on
+    # port 0, and keeps it for the children.
     source = (EXAMPLES_DIR / "generic" / "mp_spawn" / "main.py").read_text()
     assert 'dist.TCPStore("127.0.0.1", 0, is_master=True' in source
     assert "MASTER_PORT" not in source and ".close()" not in source
 
 
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------
 # Requests and settings that only matter on a real cluster
 
 
@@ -282,7 +339,9 @@ def test_mp_spawn_holds_its_port_from_choice_to_use():
 )
 def test_every_job_asks_for_memory(script):
     # Without it, the site's default decides: an out-of-memory kill, or the whole node.
-    assert re.search(r"^#SBATCH\s+--mem(-per-cpu|-per-gpu)?=\d+[KMGT]?$", script.read_text(), re.M)
+    assert re.search(
+        r"^#SBATCH\s+--mem(-per-cpu|-per-gpu)?=\d+[KMGT]?$", script.read_text(), re.M
+    )
 
 
 @pytest.mark.parametrize(
@@ -302,11 +361,14 @@ def test_pages_give_this_torchs_collective_timeouts():
 
 
 def first_step_buckets(**ddp_options) -> list[list[tuple[int, ...]]]:
-    """The shapes of the parameters in each of DDP's first-step buckets, in reduction order."""
+    """The shapes of the parameters in each of DDP's
+    first-step buckets, in reduction order."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(300_000, 1), torch.nn.Linear(1, 2))
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1, **ddp_options)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=1, **ddp_options
+        )
         buckets = ddp.reducer._get_zeros_like_grad_buckets()
         return [[tuple(p.shape) for p in bucket.parameters()] for bucket in buckets]
     finally:
@@ -314,10 +376,11 @@ def first_step_buckets(**ddp_options) -> list[list[tuple[int, ...]]]:
 
 
 def test_ddp_first_step_buckets_are_as_the_troubleshooting_page_says():
-    # By default (find_unused_parameters=False), this torch puts every parameter in one bucket
-    # for the first step, in the order of model.parameters(): the order of backward() is not
-    # known yet. DDP's notes describe the other case: buckets of bucket_cap_mb, filled in
-    # parameter order and reduced last bucket first, "(roughly) the reverse order".
+    # By default (find_unused_parameters=False), this torch puts every
+    # parameter in one bucket for the first step, in the order of
+    # model.parameters(): the order of backward() is not known yet. DDP's notes
+    # describe the other case: buckets of bucket_cap_mb, filled in parameter
+    # order and reduced last bucket first, "(roughly) the reverse order".
     assert first_step_buckets() == [[(1, 300_000), (1,), (2, 1), (2,)]]
     assert first_step_buckets(find_unused_parameters=True) == [
         [(1,), (2, 1), (2,)],

@@ -1,5 +1,6 @@
-"""The generic image_classifier example: accumulation, warm-up, the throughput log, the variables
-it sets for libraries, its benchmark, the laptop command of the home page, and its errors."""
+"""The generic image_classifier example: accumulation, warm-up,
+the throughput log, the variables it sets for libraries, its
+benchmark, the laptop command of the home page, and its errors."""
 
 import argparse
 import dataclasses
@@ -40,7 +41,9 @@ def test_accumulated_micro_batches_give_the_whole_batchs_gradients_with_one_all_
 
     # No BatchNorm or dropout, whose results depend on how a batch is split.
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 5))
+    net = nn.Sequential(
+        nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 5)
+    )
     model = DistributedDataParallel(net)
     all_reduces = []
 
@@ -68,7 +71,8 @@ def test_accumulated_micro_batches_give_the_whole_batchs_gradients_with_one_all_
     assert torch.allclose(split_loss, whole_loss, atol=1e-6)
     for a, b in zip(split, whole, strict=True):
         assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
-    # Four micro-batches cost no more communication than one: no_sync() on all but the last.
+    # Four micro-batches cost no more communication than
+    # one: no_sync() on all but the last.
     assert whole_reduces >= 1
     assert split_reduces == whole_reduces
 
@@ -86,28 +90,32 @@ def test_bf16_is_refused_where_it_cannot_run(example):
     import torch
 
     args = argparse.Namespace(
-        bf16=True, channels_last=True, cudnn_benchmark=True, pin_memory=True, compile=False,
-        num_workers=0,
+        bf16=True, channels_last=True, cudnn_benchmark=True, pin_memory=True,
+        compile=False, num_workers=0,
     )  # fmt: skip
     with pytest.raises(SystemExit, match="needs a GPU of compute capability 8.0"):
         example.speed_settings(args, torch.device("cpu"))
     # Unasked, a CPU trains as before: fp32, and no GPU-only setting.
     unasked = argparse.Namespace(**{**vars(args), "bf16": None})
     speed = example.speed_settings(unasked, torch.device("cpu"))
-    assert not any(speed[k] for k in ("bf16", "channels_last", "cudnn_benchmark", "pin_memory"))
+    assert not any(
+        speed[k] for k in ("bf16", "channels_last", "cudnn_benchmark", "pin_memory")
+    )
 
 
 def test_every_rank_logs_the_variables_set_for_libraries(smoke_run):
-    # job.sh's layout, two nodes of four tasks (the direct run that test_slurm.py compares the
-    # job with): srun's SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS, as RANK, LOCAL_RANK and
-    # WORLD_SIZE.
+    # job.sh's layout, two nodes of four tasks (the direct run that test_slurm.py
+    # compares the job with): srun's SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS, as
+    # RANK, LOCAL_RANK and WORLD_SIZE.
     launch = dataclasses.replace(EXAMPLES[NAME], nodes=2, tasks_per_node=4)
     run = smoke_run(NAME, launch, env={"SLURM_CPUS_PER_TASK": "8"})
     assert check_run(run) == [], run.output
     for rank in range(8):
         line = f"[{rank}/8] Running on "
         expected = f"RANK={rank} LOCAL_RANK={rank % 4} WORLD_SIZE=8"
-        assert any(line in ln and ln.endswith(expected) for ln in run.output.splitlines()), rank
+        assert any(
+            line in ln and ln.endswith(expected) for ln in run.output.splitlines()
+        ), rank
 
 
 def test_the_throughput_log_reports_every_few_steps(smoke_run):
@@ -115,11 +123,16 @@ def test_the_throughput_log_reports_every_few_steps(smoke_run):
     assert check_run(run) == [], run.output
     # --log-every 2 over 6 steps, on rank 0 only.
     log = re.findall(
-        r"\[(\d)/2\] epoch 0 step (\d)/6 \| loss ([\d.]+) \| lr \S+ \| ([\d.]+) samples/s per "
-        r"process, ([\d.]+) in total \| waiting for data (\d+)%",
+        r"\[(\d)/2\] epoch 0 step (\d)/6 \| loss ([\d.]+) \| lr \S+ \| "
+        r"([\d.]+) samples/s per process, ([\d.]+) in total \| "
+        r"waiting for data (\d+)%",
         run.output,
     )
-    assert [(rank, step) for rank, step, *_ in log] == [("0", "2"), ("0", "4"), ("0", "6")]
+    assert [(rank, step) for rank, step, *_ in log] == [
+        ("0", "2"),
+        ("0", "4"),
+        ("0", "6"),
+    ]
     for _, _, _, per_process, total, waiting in log:
         assert float(per_process) > 0 and float(total) > 0
         assert 0 <= int(waiting) <= 100
@@ -142,7 +155,8 @@ def test_a_missing_dataset_stops_every_rank_with_the_fix(tmp_path):
 
 
 def test_the_laptop_command_of_the_home_page_trains(tmp_path):
-    # The one line the home page gives for a first try, run as it is, with no GPU and no launcher.
+    # The one line the home page gives for a first try, run
+    # as it is, with no GPU and no launcher.
     index = (ROOT / "docs" / "index.md").read_text()
     [command] = re.findall(r"^python main\.py --synthetic-data .*$", index, re.M)
     env = base_env()
@@ -169,17 +183,23 @@ def test_benchmark_reports_both_rates_for_each_row(tmp_path):
     env = {**base_env(), "SLURM_CPUS_PER_TASK": "2"}
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "bench.py"), "--steps", "3", "--csv",
-         str(csv_file), "--", "--model", "resnet18", "--image-size", "32", "--batch-size", "8",
-         "--data-dir", str(tmp_path / "images")],
+         str(csv_file), "--", "--model", "resnet18", "--image-size", "32",
+         "--batch-size", "8", "--data-dir", str(tmp_path / "images")],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert re.match(r"resnet18, 32 px, batch 8, cpu, torch \S+, CUDA \S+; no GPU", lines[0])
+    assert re.match(
+        r"resnet18, 32 px, batch 8, cpu, torch \S+, CUDA \S+; no GPU", lines[0]
+    )
     assert "no GPU: the GPU-only rows are left out" in lines[0]
-    assert lines[1] == "| setting | num_workers | input_samples_per_s | step_samples_per_s |"
+    assert (
+        lines[1]
+        == "| setting | num_workers | input_samples_per_s | step_samples_per_s |"
+    )
     rows = [line.strip("| ").split(" | ") for line in lines[3:]]
-    # Without a GPU: everything off, then DataLoader workers; each rate a positive number.
+    # Without a GPU: everything off, then DataLoader
+    # workers; each rate a positive number.
     assert [row[0] for row in rows] == ["everything off", "+ DataLoader workers"]
     assert [row[1] for row in rows] == ["0", "1"]
     for row in rows:
@@ -192,7 +212,8 @@ def test_benchmark_rows_turn_on_one_setting_each():
     assert len(rows) == len(bench.SETTINGS) + 1
     assert rows[0][1] == [arg for _, off, _, _ in bench.SETTINGS for arg in off]
     assert rows[-1][1] == ["--bf16", "--compile"]
-    # Every option the rows pass is one that main.py takes (the CPU run above uses two rows).
+    # Every option the rows pass is one that main.py takes
+    # (the CPU run above uses two rows).
     source = (EXAMPLES_DIR / NAME / "main.py").read_text()
     for _, args, _ in rows:
         for arg in args:

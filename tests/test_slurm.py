@@ -1,8 +1,9 @@
-"""Every job.sh, submitted unchanged to a real Slurm cluster, must run as on the real site.
+"""Every job.sh, submitted unchanged to a real Slurm
+cluster, must run as on the real site.
 
-The cluster (slurm_lab.py) has two nodes with their own hostnames and IPs; each example is
-submitted with its site's profile (tests/sites/<cluster>/) and its smoke-run arguments.
-A new job.sh under examples/ is picked up here with no edit.
+The cluster (slurm_lab.py) has two nodes with their own hostnames and IPs; each example
+is submitted with its site's profile (tests/sites/<cluster>/) and its smoke-run
+arguments. A new job.sh under examples/ is picked up here with no edit.
 """
 
 import csv
@@ -29,13 +30,16 @@ JOB_TIMEOUT = 300  # seconds; 8 ranks importing torch on 2 cores take about a mi
 def sbatch_options(script: Path) -> dict[str, str]:
     """The script's `#SBATCH --name=value` lines, as a dict."""
     options = {}
-    for match in re.finditer(r"^#SBATCH\s+--([\w-]+)(?:[=\s]+(\S+))?", script.read_text(), re.M):
+    for match in re.finditer(
+        r"^#SBATCH\s+--([\w-]+)(?:[=\s]+(\S+))?", script.read_text(), re.M
+    ):
         options[match[1]] = match[2] or ""
     return options
 
 
 def job_layout(name: str) -> Launch:
-    """The example's smoke launch, scaled to what its job.sh asks for: same nodes and ranks."""
+    """The example's smoke launch, scaled to what its
+    job.sh asks for: same nodes and ranks."""
     options = sbatch_options(EXAMPLES_DIR / name / "job.sh")
     launch = EXAMPLES[name]
     nodes = int(options.get("nodes", "1"))
@@ -45,9 +49,12 @@ def job_layout(name: str) -> Launch:
         return dataclasses.replace(
             launch, nodes=nodes, tasks_per_node=int(options["ntasks-per-node"])
         )
-    # torchrun and the old launcher start a process per GPU in each (single) task of a node.
+    # torchrun and the old launcher start a process per GPU
+    # in each (single) task of a node.
     gpus_per_node = int(options["gpus-per-node"].split(":")[-1])
-    return dataclasses.replace(launch, nodes=nodes, tasks_per_node=1, procs_per_task=gpus_per_node)
+    return dataclasses.replace(
+        launch, nodes=nodes, tasks_per_node=1, procs_per_task=gpus_per_node
+    )
 
 
 def site_of(name: str) -> str:
@@ -93,7 +100,10 @@ def test_sbatch_test_only_accepts_the_script(lab, name):
 def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
     assert name in EXAMPLES, f"{name}: add it to EXAMPLES in tests/smoke.py"
     job = jobs(name)
-    report = f"job {job.job_id}: {job.state} {job.exit_code} in {job.elapsed:.0f} s\n{job.output}"
+    report = (
+        f"job {job.job_id}: {job.state} {job.exit_code} in {job.elapsed:.0f} s\n"
+        f"{job.output}"
+    )
     assert job.ok, report
 
     layout = job_layout(name)
@@ -108,7 +118,9 @@ def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
 
     summaries = parse_summaries(job.output)
     per_node = layout.tasks_per_node * layout.procs_per_task
-    assert [s.get("rank", 0) for s in summaries] == list(range(layout.world_size)), report
+    assert [s.get("rank", 0) for s in summaries] == list(range(layout.world_size)), (
+        report
+    )
     # Each node runs its share of the ranks, and every node of the job takes part.
     placed = Counter(s.get("host", hosts[0]) for s in summaries)
     assert placed == dict.fromkeys(hosts, per_node), report
@@ -122,8 +134,9 @@ def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
 def test_job_results_match_the_direct_smoke_run(jobs, smoke_run, name):
     job = jobs(name)
     assert job.ok, job.output
-    # The same layout as the job, launched directly: same ranks and CPUs (which set the number
-    # of DataLoader workers, and so how random augmentations are drawn), same numbers.
+    # The same layout as the job, launched directly: same ranks
+    # and CPUs (which set the number of DataLoader workers, and
+    # so how random augmentations are drawn), same numbers.
     launch = job_layout(name)
     cpus = sbatch_options(EXAMPLES_DIR / name / "job.sh").get("cpus-per-task", "1")
     direct = smoke_run(name, launch, env={"SLURM_CPUS_PER_TASK": cpus})
@@ -136,8 +149,8 @@ def test_nodes_have_their_own_hostname_and_address(lab):
     """What the scripts rely on: per-node names and IPs, and TCP between the nodes."""
     script = (
         'echo "$(hostname) $(hostname -I)"; '
-        "python3 -c \"import socket; socket.create_connection(('cn1', 6818), timeout=5)\" "
-        "&& echo reached-cn1"
+        "python3 -c \"import socket; socket.create_connection(('cn1', 6818), "
+        'timeout=5)" && echo reached-cn1'
     )
     result = subprocess.run(
         ["srun", "--nodes=2", "--ntasks-per-node=1", "--label", "bash", "-c", script],
@@ -157,14 +170,14 @@ def test_nodes_have_their_own_hostname_and_address(lab):
 def test_variable_table_matches_the_cluster(lab):
     """The concepts page's table of Slurm variables holds what a real task sees.
 
-    Run on each version: a row is set from the version its "Set by" column names, and holds
-    the value shown on each version of the test cluster that sets it.
+    Run on each version: a row is set from the version its "Set by" column names, and
+    holds the value shown on each version of the test cluster that sets it.
     """
     table = csv.DictReader((DOCS / "slurm-variables.csv").open())
     example = "Task 3 of 2 nodes × 2 tasks sees"
     result = subprocess.run(
-        ["srun", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=2", "--gpus-per-node=2",
-         "--label", "env"],
+        ["srun", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=2",
+         "--gpus-per-node=2", "--label", "env"],
         env=lab.env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -183,13 +196,16 @@ def test_variable_table_matches_the_cluster(lab):
             first = re.fullmatch(r"(\d+\.\d+) and later", since)
             assert first, f"{name}: 'Set by' says {since!r}"
             expected = lab.at_least(first[1])
-        assert (name in task3) == expected, f"{name}: set={name in task3} on {lab.version}"
+        assert (name in task3) == expected, (
+            f"{name}: set={name in task3} on {lab.version}"
+        )
         if expected and row[example] != "(varies)":
             assert task3[name] == row[example], name
 
 
 def test_starting_again_over_a_running_cluster_works(lab):
-    # What a crashed run leaves behind is a running cluster: `up` must clear it and start anew.
+    # What a crashed run leaves behind is a running
+    # cluster: `up` must clear it and start anew.
     lab.up()
     result = subprocess.run(
         ["srun", "--nodes=2", "hostname"], env=lab.env(), capture_output=True, text=True
@@ -200,15 +216,20 @@ def test_starting_again_over_a_running_cluster_works(lab):
 def test_site_profile_rejects_a_module_the_site_lacks(lab, tmp_path):
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\nmodule load cuda/99.9\n")
-    job = lab.wait(lab.sbatch(script, site="mila", workdir=tmp_path), tmp_path, timeout=60)
+    job = lab.wait(
+        lab.sbatch(script, site="mila", workdir=tmp_path), tmp_path, timeout=60
+    )
     assert not job.ok
     assert 'unknown module "cuda/99.9"' in job.output
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if EXAMPLES[n].launcher == "torchrun"])
+@pytest.mark.parametrize(
+    "name", [n for n in NAMES if EXAMPLES[n].launcher == "torchrun"]
+)
 def test_torchrun_script_refuses_one_task_per_gpu(lab, tmp_path, name):
-    # The classic mistake: a task per GPU, each starting torchrun, which starts a process per
-    # GPU: G x G processes. The guard in job.sh must stop the job before any starts.
+    # The classic mistake: a task per GPU, each starting
+    # torchrun, which starts a process per GPU: G x G processes.
+    # The guard in job.sh must stop the job before any starts.
     script = EXAMPLES_DIR / name / "job.sh"
     job_id = lab.sbatch(
         script, *EXAMPLES[name].args, site=site_of(name), workdir=tmp_path,
@@ -236,7 +257,8 @@ def test_cluster_says_why_it_cannot_start(monkeypatch, euid, which, expected):
 
 def test_cluster_names_the_versions_it_has():
     with pytest.raises(
-        LabUnavailable, match="no Slurm 21.08 here; the test cluster runs 22.05 or 24.11"
+        LabUnavailable,
+        match="no Slurm 21.08 here; the test cluster runs 22.05 or 24.11",
     ):
         Lab(version="21.08")
 
@@ -244,7 +266,9 @@ def test_cluster_names_the_versions_it_has():
 def test_cluster_says_when_its_slurm_is_another_version(monkeypatch):
     # Debian 13's own slurmd on the host, say, where 22.05 was asked for.
     monkeypatch.setattr(slurm_lab, "_run", lambda cmd, **kw: "slurm-wlm 24.11.5\n")
-    with pytest.raises(LabUnavailable, match="the Slurm of this machine is 24.11.5, not 22.05"):
+    with pytest.raises(
+        LabUnavailable, match="the Slurm of this machine is 24.11.5, not 22.05"
+    ):
         Lab(version="22.05")._check_version()
 
 

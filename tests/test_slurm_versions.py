@@ -1,10 +1,11 @@
-"""What changed between the Slurm versions of the test cluster, pinned so the pages can say it.
+"""What changed between the Slurm versions of the test
+cluster, pinned so the pages can say it.
 
-Each test runs on whichever version the suite was started with (`--slurm-version`) and checks
-that version's behaviour; `nox -s tests` runs them on both 22.05 and 24.11. The expectations
-follow Slurm's changelogs: 23.11 made srun inherit --cpus-per-task again (22.05 to 23.02 did
-not, unless told with SRUN_CPUS_PER_TASK), added SLURM_TRES_PER_TASK, and 23.11.4 added
-`srun --gres-flags=allow-task-sharing`.
+Each test runs on whichever version the suite was started with (`--slurm-version`) and
+checks that version's behaviour; `nox -s tests` runs them on both 22.05 and 24.11. The
+expectations follow Slurm's changelogs: 23.11 made srun inherit --cpus-per-task again
+(22.05 to 23.02 did not, unless told with SRUN_CPUS_PER_TASK), added
+SLURM_TRES_PER_TASK, and 23.11.4 added `srun --gres-flags=allow-task-sharing`.
 """
 
 import re
@@ -25,7 +26,8 @@ def run_job(lab: Lab, tmp_path: Path, options: list[str], body: str):
 
 
 def steps(output: str) -> dict[str, list[str]]:
-    """The lines each step printed, by the step's label: `<label> <rest>` -> {label: [rest]}."""
+    """The lines each step printed, by the step's label:
+    `<label> <rest>` -> {label: [rest]}."""
     found: dict[str, list[str]] = {}
     for line in output.splitlines():
         label, _, rest = line.partition(" ")
@@ -34,11 +36,13 @@ def steps(output: str) -> dict[str, list[str]]:
     return found
 
 
-# Each step prints, per task, the CPUs that slurmctld gave the step (`scontrol show step`) and
-# the task's SLURM_CPUS_PER_TASK. --exact gives a step just the CPUs its tasks ask for, instead
-# of all the job's, so the step's CPUs show its CPUs per task (no CPU binding needed).
+# Each step prints, per task, the CPUs that slurmctld gave the step
+# (`scontrol show step`) and the task's SLURM_CPUS_PER_TASK. --exact gives a step just
+# the CPUs its tasks ask for, instead of all the job's, so the step's CPUs show its CPUs
+# per task (no CPU binding needed).
 SHOW_STEP = """
-step=$(scontrol show step "$SLURM_JOB_ID.$SLURM_STEP_ID" | grep -o "CPUs=[0-9]*" | head -1)
+step=$(scontrol show step "$SLURM_JOB_ID.$SLURM_STEP_ID" |
+    grep -o "CPUs=[0-9]*" | head -1)
 echo "$1 $SLURM_PROCID $step env=$SLURM_CPUS_PER_TASK"
 """
 CPU_JOB = """
@@ -56,21 +60,27 @@ SLURM_CPUS_PER_TASK=2 srun --exact bash "$show" step-own-variable \
 def test_cpus_per_task_that_a_bare_srun_step_gets(lab, tmp_path):
     """Job: 2 tasks, --cpus-per-task=4 (8 CPUs). What does each srun step get?"""
     (tmp_path / "show.sh").write_text(SHOW_STEP)
-    job = run_job(lab, tmp_path, ["--nodes=1", "--ntasks=2", "--cpus-per-task=4"], CPU_JOB)
+    job = run_job(
+        lab, tmp_path, ["--nodes=1", "--ntasks=2", "--cpus-per-task=4"], CPU_JOB
+    )
     assert job.ok, job.output
     got = steps(job.output)
     for lines in got.values():
         if lines != ["refused"]:  # both tasks of every step that ran printed
-            assert sorted(line.split(" ", 1)[0] for line in lines) == ["0", "1"], job.output
+            assert sorted(line.split(" ", 1)[0] for line in lines) == ["0", "1"], (
+                job.output
+            )
     # Both tasks of a step print the same line but for their rank: keep the rest.
     cpus = {
-        label: sorted({line.partition(" ")[2] for line in lines}) for label, lines in got.items()
+        label: sorted({line.partition(" ")[2] for line in lines})
+        for label, lines in got.items()
     }
     if lab.at_least("23.11"):
         assert cpus["step-bare"] == ["CPUs=8 env=4"], job.output  # inherited again
     else:
         assert cpus["step-bare"] == ["CPUs=2 env=4"], job.output  # one CPU a task
-    # What the guide's scripts do, and the older variable: 4 CPUs a task on every version.
+    # What the guide's scripts do, and the older variable:
+    # 4 CPUs a task on every version.
     assert cpus["step-srun-option"] == ["CPUs=8 env=4"], job.output
     assert cpus["step-srun-variable"] == ["CPUs=8 env=4"], job.output
     if lab.at_least("23.11"):
@@ -79,7 +89,8 @@ def test_cpus_per_task_that_a_bare_srun_step_gets(lab, tmp_path):
     else:
         assert cpus["step-srun-variable-2"] == ["CPUs=4 env=2"], job.output
     if lab.at_least("23.11"):
-        # From 23.11, SLURM_TRES_PER_TASK (cpu=4) disagrees with the script's 2: srun stops.
+        # From 23.11, SLURM_TRES_PER_TASK (cpu=4) disagrees
+        # with the script's 2: srun stops.
         assert got["step-own-variable"] == ["refused"], job.output
         assert "cpus-per-task set by two different environment variables" in job.output
     else:
@@ -101,8 +112,10 @@ def test_tres_per_task_is_set_from_23_11(lab):
 GPU_JOB = """
 gpus='echo "$0 $SLURM_PROCID gpus=$CUDA_VISIBLE_DEVICES"'
 srun bash -c "$gpus" step-bound
-srun bash -c 'echo "step-variables ${SLURM_GPUS_PER_TASK-unset} ${SLURM_TRES_PER_TASK-unset}"'
-srun --gres-flags=allow-task-sharing bash -c "$gpus" step-shared || echo "step-shared refused"
+tres='echo "step-variables ${SLURM_GPUS_PER_TASK-unset} ${SLURM_TRES_PER_TASK-unset}"'
+srun bash -c "$tres"
+srun --gres-flags=allow-task-sharing bash -c "$gpus" step-shared ||
+    echo "step-shared refused"
 """
 
 
@@ -110,8 +123,8 @@ def test_gpus_per_task_and_allow_task_sharing(lab, tmp_path):
     """Mila's way of asking for GPUs: --gpus-per-task, with srun's allow-task-sharing.
 
     The flag lets every task open the job's other GPUs on its node where cgroups confine
-    devices, which this cluster does not do; what it can show is which versions accept the
-    flag, and that on 24.11 each task stays bound to its own GPU either way.
+    devices, which this cluster does not do; what it can show is which versions accept
+    the flag, and that on 24.11 each task stays bound to its own GPU either way.
     """
     options = ["--nodes=1", "--ntasks=2", "--gpus-per-task=rtx8000:1"]
     job = run_job(lab, tmp_path, options, GPU_JOB)
@@ -121,8 +134,8 @@ def test_gpus_per_task_and_allow_task_sharing(lab, tmp_path):
         # CUDA_VISIBLE_DEVICES names the task's own GPU, so main.py takes cuda:0.
         assert sorted(got["step-bound"]) == ["0 gpus=0", "1 gpus=1"], job.output
     else:
-        # 22.05 on this cluster, which runs no task plugin, leaves it empty: a real 22.05
-        # cluster binds through its task plugin, which this test cannot show.
+        # 22.05 on this cluster, which runs no task plugin, leaves it empty: a real
+        # 22.05 cluster binds through its task plugin, which this test cannot show.
         assert sorted(got["step-bound"]) == ["0 gpus=", "1 gpus="], job.output
     if lab.at_least("23.11"):
         # SLURM_GPUS_PER_TASK is gone; the request is in SLURM_TRES_PER_TASK.
@@ -137,7 +150,8 @@ def test_gpus_per_task_and_allow_task_sharing(lab, tmp_path):
 
 
 def test_sbatch_refuses_allow_task_sharing(lab, tmp_path):
-    """The flag is srun's: in an #SBATCH line it stops the submission, on every version."""
+    """The flag is srun's: in an #SBATCH line it stops the
+    submission, on every version."""
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\n#SBATCH --gres-flags=allow-task-sharing\ntrue\n")
     result = subprocess.run(

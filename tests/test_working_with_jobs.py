@@ -1,5 +1,6 @@
-"""The commands of the pages "Working with a job" and "Adapt it to your cluster", on the test
-cluster: each command is taken from its page, so that page and test cannot drift apart."""
+"""The commands of the pages "Working with a job" and "Adapt it
+to your cluster", on the test cluster: each command is taken
+from its page, so that page and test cannot drift apart."""
 
 import re
 import subprocess
@@ -30,7 +31,12 @@ def command(page: str, start: str) -> str:
 
 def run(lab, line: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", "-c", line], env=lab.env(), capture_output=True, text=True, timeout=60, **kwargs
+        ["bash", "-c", line],
+        env=lab.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        **kwargs,
     )
 
 
@@ -39,19 +45,34 @@ def test_sinfo_and_scontrol_show_what_a_job_script_needs(lab):
     result = run(lab, command("adapt.md", "sinfo "))
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
-    assert header.split() == ["PARTITION", "TIMELIMIT", "NODES", "GRES", "CPUS", "MEMORY"]
-    # The test cluster's one partition: 2 nodes of 8 GPUs of two types, 32 CPUs, 256000 MB.
+    assert header.split() == [
+        "PARTITION",
+        "TIMELIMIT",
+        "NODES",
+        "GRES",
+        "CPUS",
+        "MEMORY",
+    ]
+    # The test cluster's one partition: 2 nodes of 8 GPUs
+    # of two types, 32 CPUs, 256000 MB.
     assert rows[0].split() == [
         "main*", "infinite", "2", "gpu:rtx8000:4,gpu:a100:4", "32", "256000"
     ]  # fmt: skip
     result = run(lab, command("adapt.md", "scontrol show partition"))
     assert result.returncode == 0, result.stderr
-    for field in ("PartitionName=main", "AllowAccounts=ALL", "MaxTime=UNLIMITED", "GraceTime=0"):
+    for field in (
+        "PartitionName=main",
+        "AllowAccounts=ALL",
+        "MaxTime=UNLIMITED",
+        "GraceTime=0",
+    ):
         assert field in result.stdout
 
 
 @pytest.mark.every_version
-def test_salloc_session_trains_on_every_node_with_labels_and_a_log_per_rank(lab, tmp_path):
+def test_salloc_session_trains_on_every_node_with_labels_and_a_log_per_rank(
+    lab, tmp_path
+):
     salloc, export, label, per_rank = (
         command("jobs.md", "salloc "),
         command("jobs.md", "export MASTER_ADDR"),
@@ -59,17 +80,23 @@ def test_salloc_session_trains_on_every_node_with_labels_and_a_log_per_rank(lab,
         command("jobs.md", "srun --output="),
     )
     # The smoke run's arguments follow the page's, and win where both give one.
-    smoke = " ".join(EXAMPLES[NAME].args) + " --synthetic-size 160 --synthetic-classes 5"
+    smoke = (
+        " ".join(EXAMPLES[NAME].args) + " --synthetic-size 160 --synthetic-classes 5"
+    )
     (tmp_path / "main.py").symlink_to(EXAMPLES_DIR / NAME / "main.py")
     python_bin = Path(sys.executable).parent
-    # What one types into salloc's shell. `bash -c` rather than salloc's stdin: srun would read
-    # the lines that follow it from there, as it reads the terminal's input in a real session.
+    # What one types into salloc's shell. `bash -c` rather than
+    # salloc's stdin: srun would read the lines that follow it from
+    # there, as it reads the terminal's input in a real session.
     typed = "\n".join(["hostname", export, f"{label} {smoke}", f"{per_rank} {smoke}"])
     result = subprocess.run(
         [*salloc.split(), "bash", "-c", typed],
         cwd=tmp_path,
-        # The Python with the examples' dependencies first on PATH: "activate your environment".
-        env=lab.env("generic", OMP_NUM_THREADS="1", PATH=f"{python_bin}:{lab.env()['PATH']}"),
+        # The Python with the examples' dependencies first
+        # on PATH: "activate your environment".
+        env=lab.env(
+            "generic", OMP_NUM_THREADS="1", PATH=f"{python_bin}:{lab.env()['PATH']}"
+        ),
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -77,10 +104,12 @@ def test_salloc_session_trains_on_every_node_with_labels_and_a_log_per_rank(lab,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    # Without LaunchParameters=use_interactive_step, the shell runs where salloc was typed.
+    # Without LaunchParameters=use_interactive_step, the
+    # shell runs where salloc was typed.
     assert lines[0] not in NODES
-    # --label: each line of the first run, on stdout (the summaries) and on stderr (the log),
-    # starts with the number of the task that printed it. The second run writes to files only.
+    # --label: each line of the first run, on stdout (the summaries)
+    # and on stderr (the log), starts with the number of the task
+    # that printed it. The second run writes to files only.
     summaries = parse_summaries("\n".join(ln[3:] for ln in lines if "summary:" in ln))
     assert [(s["rank"], s["host"]) for s in summaries] == [(0, "cn1"), (1, "cn2")]
     for line in lines:
@@ -97,7 +126,8 @@ def test_salloc_session_trains_on_every_node_with_labels_and_a_log_per_rank(lab,
         [summary] = parse_summaries(log)
         assert (summary["rank"], summary["host"]) == (rank, node)
         assert f"[{1 - rank}/2]" not in log
-    # The trial run's synthetic data, which makes 160 // 50 validation images, trains too.
+    # The trial run's synthetic data, which makes 160 // 50
+    # validation images, trains too.
     assert [s["val_samples"] for s in summaries] == [160 // 50] * 2
     assert summaries[0]["last_loss"] < summaries[0]["first_loss"]
 
@@ -108,8 +138,12 @@ def test_squeue_and_scontrol_show_a_running_job(lab, tmp_path):
     try:
         result = run(lab, command("jobs.md", "squeue "))
         assert result.returncode == 0, result.stderr
-        assert re.search(rf"^\s*{job_id}\s+main\s+hold\s+\S+\s+R\s", result.stdout, re.M)
-        result = run(lab, command("jobs.md", "scontrol show job").replace(JOB_ID, job_id))
+        assert re.search(
+            rf"^\s*{job_id}\s+main\s+hold\s+\S+\s+R\s", result.stdout, re.M
+        )
+        result = run(
+            lab, command("jobs.md", "scontrol show job").replace(JOB_ID, job_id)
+        )
         assert f"JobId={job_id} JobName=hold" in result.stdout
         assert "NodeList=cn[1-2]" in result.stdout
     finally:
@@ -122,8 +156,8 @@ def test_srun_overlap_reaches_every_node_of_a_busy_job_and_its_gpus(lab, tmp_pat
         line = command("jobs.md", "srun --jobid=").replace(JOB_ID, job_id)
         assert line.endswith(" nvidia-smi")
         start = time.monotonic()
-        # The test nodes' GPUs are stand-ins that nvidia-smi cannot read: this shows which GPUs
-        # the step was given, those of the job on its node.
+        # The test nodes' GPUs are stand-ins that nvidia-smi cannot read: this shows
+        # which GPUs the step was given, those of the job on its node.
         shows = """bash -c 'echo "$(hostname) $CUDA_VISIBLE_DEVICES"'"""
         result = run(lab, line.replace("nvidia-smi", shows))
         assert result.returncode == 0, result.stderr
@@ -131,7 +165,9 @@ def test_srun_overlap_reaches_every_node_of_a_busy_job_and_its_gpus(lab, tmp_pat
         assert time.monotonic() - start < 10
         # Without --overlap, the same step waits for the CPUs that the job's step holds.
         waiting = run(
-            lab, "timeout 5 " + line.replace(" --overlap", "").replace("nvidia-smi", "hostname")
+            lab,
+            "timeout 5 "
+            + line.replace(" --overlap", "").replace("nvidia-smi", "hostname"),
         )
         assert waiting.returncode == 124, waiting.stdout + waiting.stderr
         assert waiting.stdout == ""
@@ -140,11 +176,12 @@ def test_srun_overlap_reaches_every_node_of_a_busy_job_and_its_gpus(lab, tmp_pat
 
 
 def hold_all_cpus(lab, tmp_path) -> str:
-    """A running job whose step holds every CPU and two GPUs of each of its two nodes."""
+    """A running job whose step holds every CPU and two
+    GPUs of each of its two nodes."""
     script = tmp_path / "hold.sh"
     script.write_text(
-        "#!/bin/bash\n#SBATCH --job-name=hold --nodes=2 --ntasks-per-node=2 --cpus-per-task=16\n"
-        "#SBATCH --gpus-per-node=2\nsrun sleep 120\n"
+        "#!/bin/bash\n#SBATCH --job-name=hold --nodes=2 --ntasks-per-node=2 "
+        "--cpus-per-task=16\n#SBATCH --gpus-per-node=2\nsrun sleep 120\n"
     )
     job_id = lab.sbatch(script, site="generic", workdir=tmp_path)
     deadline = time.monotonic() + 30

@@ -1,16 +1,17 @@
 """A tiny synthetic TinyImageNet, in the real dataset's on-disk layout.
 
-    root/wnids.txt                           one class ID (WordNet ID) per line
-    root/words.txt                           class ID, tab, its name
-    root/train/<wnid>/images/<wnid>_<i>.JPEG  64x64 JPEGs, one folder per class
-    root/train/<wnid>/<wnid>_boxes.txt        bounding boxes (not used for classification)
-    root/val/images/val_<j>.JPEG              every validation image in one folder
-    root/val/val_annotations.txt              file, tab, class ID, tab, bounding box
+    root/wnids.txt                           one class ID (WordNet ID)
+    per line root/words.txt                           class ID, tab,
+    its name root/train/<wnid>/images/<wnid>_<i>.JPEG  64x64 JPEGs, one
+    folder per class root/train/<wnid>/<wnid>_boxes.txt        bounding
+    boxes (not used for classification) root/val/images/val_<j>.JPEG
+    every validation image in one folder root/val/val_annotations.txt
+    file, tab, class ID, tab, bounding box
 
 The Ibex examples read it with their real loading code: ImageFolder for train/, and the
-annotations file for val/. make_folders() writes the simpler layout of one folder per class,
-train/ and val/ alike, for the generic image_classifier example. Each class has its own colour,
-so a model can learn it quickly.
+annotations file for val/. make_folders() writes the simpler layout of one folder per
+class, train/ and val/ alike, for the generic image_classifier example. Each class has
+its own colour, so a model can learn it quickly.
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ from PIL import Image
 SIZE = 64
 
 
-def make(root: Path, classes: int = 5, train_per_class: int = 12, val_per_class: int = 5):
+def make(
+    root: Path, classes: int = 5, train_per_class: int = 12, val_per_class: int = 5
+):
     """Writes the dataset under `root`; returns {validation file name: class ID}."""
     rng = random.Random(0)
     wnids = [f"n{9000000 + i:08d}" for i in range(classes)]
     colours = {w: tuple(rng.randrange(256) for _ in range(3)) for w in wnids}
     root.mkdir(parents=True, exist_ok=True)
     (root / "wnids.txt").write_text("".join(f"{w}\n" for w in wnids))
-    (root / "words.txt").write_text("".join(f"{w}\tsynthetic class {w}\n" for w in wnids))
+    (root / "words.txt").write_text(
+        "".join(f"{w}\tsynthetic class {w}\n" for w in wnids)
+    )
 
     for wnid in wnids:
         images = root / "train" / wnid / "images"
@@ -57,11 +62,14 @@ def make(root: Path, classes: int = 5, train_per_class: int = 12, val_per_class:
     return truth
 
 
-def make_folders(root: Path, classes: int = 5, train_per_class: int = 26, val_per_class: int = 5):
-    """Writes train/<class>/ and val/<class>/ under `root`: the layout ImageFolder reads.
+def make_folders(
+    root: Path, classes: int = 5, train_per_class: int = 26, val_per_class: int = 5
+):
+    """Writes train/<class>/ and val/<class>/ under `root`:
+    the layout ImageFolder reads.
 
-    That is the generic image_classifier example's input, as for ImageNet once its validation
-    images are sorted into class folders.
+    That is the generic image_classifier example's input, as for ImageNet once its
+    validation images are sorted into class folders.
     """
     rng = random.Random(1)
     for c in range(classes):
@@ -76,7 +84,9 @@ def make_folders(root: Path, classes: int = 5, train_per_class: int = 26, val_pe
 def _image(colour: tuple[int, int, int], rng: random.Random) -> Image.Image:
     noise = bytes(rng.randrange(256) for _ in range(SIZE * SIZE * 3))
     return Image.blend(
-        Image.new("RGB", (SIZE, SIZE), colour), Image.frombytes("RGB", (SIZE, SIZE), noise), 0.3
+        Image.new("RGB", (SIZE, SIZE), colour),
+        Image.frombytes("RGB", (SIZE, SIZE), noise),
+        0.3,
     )
 
 

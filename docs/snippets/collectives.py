@@ -1,8 +1,9 @@
-"""The collectives of torch.distributed, one function each, as the concepts page shows them.
+"""The collectives of torch.distributed, one function each,
+as the concepts page shows them.
 
-Run it with `torchrun --nproc-per-node=3 collectives.py`: each process prints, as one JSON line,
-what every collective gave it. The guide's tests run it with 1, 2 and 3 processes and check
-each result against the formula on the page.
+Run it with `torchrun --nproc-per-node=3 collectives.py`: each process prints, as one
+JSON line, what every collective gave it. The guide's tests run it with 1, 2 and 3
+processes and check each result against the formula on the page.
 """
 
 import json
@@ -24,8 +25,8 @@ def all_reduce_example(rank: int) -> float:
 
 
 def reduce_example(rank: int) -> float | None:
-    # The same sum, delivered to one process only (dst). The others' tensors hold no defined
-    # result afterwards, so only rank 0 reads it.
+    # The same sum, delivered to one process only (dst). The others' tensors hold no
+    # defined result afterwards, so only rank 0 reads it.
     value = torch.tensor([rank + 1.0])
     dist.reduce(value, dst=0, op=dist.ReduceOp.SUM)
     return value.item() if rank == 0 else None
@@ -39,7 +40,8 @@ def broadcast_example(rank: int) -> float:
 
 
 def all_gather_example(rank: int, world_size: int) -> list[float]:
-    # Every process receives every process's tensor, in rank order: [0.0, 10.0, 20.0, ...].
+    # Every process receives every process's tensor, in
+    # rank order: [0.0, 10.0, 20.0, ...].
     mine = torch.tensor([10.0 * rank])
     everyone = [torch.zeros(1) for _ in range(world_size)]
     dist.all_gather(everyone, mine)
@@ -59,7 +61,8 @@ def barrier_example(rank: int, marker: Path) -> bool:
 def main():
     dist.init_process_group("gloo")  # torchrun set RANK, WORLD_SIZE and the rendezvous
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # All processes must use the same marker path: the folder comes from the command line.
+    # All processes must use the same marker path: the
+    # folder comes from the command line.
     folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.gettempdir())
     results = {
         "rank": rank,

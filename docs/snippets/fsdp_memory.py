@@ -1,11 +1,11 @@
 """What each process holds of the FSDP2 example's model, under DDP and under FSDP2.
 
-Run it with `python docs/snippets/fsdp_memory.py`: it starts 1, 2 and 4 processes on this
-machine's CPUs, builds the example's model at its default size (examples/generic/fsdp, about
-34 million parameters) both ways, takes one AdamW step, and prints a CSV table. Every number is
-counted from the tensors a process holds: its parameters, their gradients and the optimizer's
-state, each its own shard under FSDP2. The guide's tests run it and compare its output with the
-table on the FSDP2 page.
+Run it with `python docs/snippets/fsdp_memory.py`: it starts 1, 2 and 4 processes on
+this machine's CPUs, builds the example's model at its default size
+(examples/generic/fsdp, about 34 million parameters) both ways, takes one AdamW step,
+and prints a CSV table. Every number is counted from the tensors a process holds: its
+parameters, their gradients and the optimizer's state, each its own shard under FSDP2.
+The guide's tests run it and compare its output with the table on the FSDP2 page.
 """
 
 import csv
@@ -20,7 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "generic" / "fsdp" / "main.py"
+EXAMPLE = (
+    Path(__file__).resolve().parents[2] / "examples" / "generic" / "fsdp" / "main.py"
+)
 MB = 2**20
 
 
@@ -32,12 +34,14 @@ def load_example():
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of a tensor: its shard under FSDP2, the whole tensor otherwise."""
+    """This process's part of a tensor: its shard under
+    FSDP2, the whole tensor otherwise."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def held(model, optimizer) -> dict[str, int]:
-    """The bytes of parameters, gradients and optimizer state that this process holds."""
+    """The bytes of parameters, gradients and optimizer
+    state that this process holds."""
 
     def size(tensors):
         return sum(local(t).numel() * local(t).element_size() for t in tensors)
@@ -58,10 +62,14 @@ def held(model, optimizer) -> dict[str, int]:
 
 def one_step(model, vocab_size: int):
     # A few tokens are enough: the table counts what outlives the step, not activations.
-    tokens = torch.randint(vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        vocab_size, (1, 9), generator=torch.Generator().manual_seed(0)
+    )
     optimizer = torch.optim.AdamW(model.parameters())
     logits = model(tokens[:, :-1])
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), tokens[:, 1:].flatten()
+    ).backward()
     optimizer.step()
     return optimizer
 
@@ -79,22 +87,27 @@ def measure(rank: int, world_size: int, store_path: str, out: str):
     del ddp
     fsdp = example.build_model(args, torch.device("cpu"))
     rows["FSDP2"] = held(fsdp, one_step(fsdp, args.vocab_size))
-    # Gathered whole to compute with: the root's own parameters (embeddings, last norm, output
-    # layer) from the start of forward to the end of backward, and each block's in its turn.
-    # numel() of a sharded parameter is that of the whole.
+    # Gathered whole to compute with: the root's own parameters (embeddings, last norm,
+    # output layer) from the start of forward to the end of backward, and each block's
+    # in its turn. numel() of a sharded parameter is that of the whole.
     in_blocks = {id(p) for p in fsdp.blocks.parameters()}
     rows["FSDP2"]["root"] = sum(
-        p.numel() * p.element_size() for p in fsdp.parameters() if id(p) not in in_blocks
+        p.numel() * p.element_size()
+        for p in fsdp.parameters()
+        if id(p) not in in_blocks
     )
     rows["FSDP2"]["block"] = max(
-        sum(p.numel() * p.element_size() for p in block.parameters()) for block in fsdp.blocks
+        sum(p.numel() * p.element_size() for p in block.parameters())
+        for block in fsdp.blocks
     )
     # The largest share of any process.
     everyone = [None] * world_size
     dist.all_gather_object(everyone, rows)
     if rank == 0:
         largest = {
-            strategy: {key: max(r[strategy][key] for r in everyone) for key in rows[strategy]}
+            strategy: {
+                key: max(r[strategy][key] for r in everyone) for key in rows[strategy]
+            }
             for strategy in rows
         }
         Path(out).write_text(json.dumps(largest))
@@ -104,8 +117,9 @@ def measure(rank: int, world_size: int, store_path: str, out: str):
 def main():
     writer = csv.writer(sys.stdout, lineterminator="\n")
     writer.writerow(
-        ["Processes", "Strategy", "Parameters (MiB)", "Gradients (MiB)", "AdamW state (MiB)",
-         "Total (MiB)", "Root gathered (MiB)", "A block gathered (MiB)"]
+        ["Processes", "Strategy", "Parameters (MiB)", "Gradients (MiB)",
+         "AdamW state (MiB)", "Total (MiB)", "Root gathered (MiB)",
+         "A block gathered (MiB)"]
     )  # fmt: skip
     for world_size in (1, 2, 4):
         with tempfile.TemporaryDirectory() as tmp:
@@ -116,7 +130,10 @@ def main():
             rows = json.loads(out.read_text())
         for strategy, row in rows.items():
             parts = [row["parameters"], row["gradients"], row["optimizer"]]
-            gathered = [f"{row[key] / MB:.1f}" if key in row else "" for key in ("root", "block")]
+            gathered = [
+                f"{row[key] / MB:.1f}" if key in row else ""
+                for key in ("root", "block")
+            ]
             writer.writerow(
                 [world_size, strategy, *(f"{n / MB:.1f}" for n in parts),
                  f"{sum(parts) / MB:.1f}", *gathered]

@@ -1,18 +1,19 @@
 """Why a resumed DDP run can differ from an uninterrupted one in the last bits.
 
-Run it with torchrun, on the CPU: `torchrun --standalone --nproc-per-node=4 resume_bits.py`.
-Each process trains a small model for STEPS steps, once without a break and once "restarted"
-after each possible step: the model and optimizer are rebuilt from their state, as a resumed
-job does, and wrapped in a new DistributedDataParallel. Rank 0 prints, as JSON, the restart
-steps after which the final weights differ from the uninterrupted run's.
+Run it with torchrun, on the CPU:
+`torchrun --standalone --nproc-per-node=4 resume_bits.py`. Each process trains a small
+model for STEPS steps, once without a break and once "restarted" after each possible
+step: the model and optimizer are rebuilt from their state, as a resumed job does, and
+wrapped in a new DistributedDataParallel. Rank 0 prints, as JSON, the restart steps
+after which the final weights differ from the uninterrupted run's.
 
-A new DDP (find_unused_parameters=False, the default) sums the first step's gradients in one
-bucket, in the order of model.parameters().
-From the second step on, it sums them in the order backward() produced them. Floating-point
-addition depends on order, and the gradient of each element goes to another position of the
-buffer that gloo (or NCCL) reduces; with 3 processes or more, that changes how it is summed.
-find_unused_parameters=True keeps the first order for good, at the cost of a graph traversal
-per step, so every restart sums exactly as the uninterrupted run does.
+A new DDP (find_unused_parameters=False, the default) sums the first step's gradients in
+one bucket, in the order of model.parameters(). From the second step on, it sums them in
+the order backward() produced them. Floating-point addition depends on order, and the
+gradient of each element goes to another position of the buffer that gloo (or NCCL)
+reduces; with 3 processes or more, that changes how it is summed.
+find_unused_parameters=True keeps the first order for good, at the cost of a graph
+traversal per step, so every restart sums exactly as the uninterrupted run does.
 """
 
 import gc
@@ -27,7 +28,8 @@ STEPS = 20
 
 
 def train(batches, restart_after: int | None, **ddp_options) -> torch.Tensor:
-    """The final weights after training on `batches`, rebuilt after step `restart_after`."""
+    """The final weights after training on `batches`,
+    rebuilt after step `restart_after`."""
     torch.manual_seed(0)
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -48,7 +50,8 @@ def train(batches, restart_after: int | None, **ddp_options) -> torch.Tensor:
 
 
 def differing_restarts(batches, **ddp_options) -> list[int]:
-    """The restart steps whose run ends with other weights than the uninterrupted run's."""
+    """The restart steps whose run ends with other weights
+    than the uninterrupted run's."""
     uninterrupted = train(batches, None, **ddp_options)
     return [
         step
@@ -68,12 +71,15 @@ def main():
     result = {
         "world_size": dist.get_world_size(),
         "differing": differing_restarts(batches),
-        "differing_with_one_order": differing_restarts(batches, find_unused_parameters=True),
+        "differing_with_one_order": differing_restarts(
+            batches, find_unused_parameters=True
+        ),
     }
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)
-    # The DDP objects sit in reference cycles that keep the process group alive. Collected at
-    # the interpreter's exit instead, after the group, gloo's threads can abort the process.
+    # The DDP objects sit in reference cycles that keep the process
+    # group alive. Collected at the interpreter's exit instead,
+    # after the group, gloo's threads can abort the process.
     gc.collect()
     dist.destroy_process_group()
 

@@ -10,7 +10,7 @@
 # Stop at the first failing command.
 set -e
 
-# --- Site-specific: make torch importable (a module, a conda or a virtual environment) ----
+# --- Site-specific: make torch importable (a module, conda or a virtual environment) --
 # This is a virtual environment; create it once, on a login node:
 #   python3 -m venv ~/venvs/ddp
 #   ~/venvs/ddp/bin/pip install torch==2.14.1 torchvision==0.29.1
@@ -19,17 +19,19 @@ set -e
 # shellcheck source=/dev/null
 source "$HOME/venvs/ddp/bin/activate"
 
-# torchrun starts a process per GPU itself, so it must run once per node. With a task per GPU,
-# each of G tasks would start G processes: G x G in all, and the job would fail or crawl.
+# torchrun starts a process per GPU itself, so it must run once
+# per node. With a task per GPU, each of G tasks would start G
+# processes: G x G in all, and the job would fail or crawl.
 if ((SLURM_NTASKS != SLURM_JOB_NUM_NODES)); then
-    echo "error: $SLURM_NTASKS tasks on $SLURM_JOB_NUM_NODES node(s), but torchrun must run" \
-        "once per node: use #SBATCH --ntasks-per-node=1" >&2
+    echo "error: $SLURM_NTASKS tasks on $SLURM_JOB_NUM_NODES node(s), but torchrun" \
+        "must run once per node: use #SBATCH --ntasks-per-node=1" >&2
     exit 1
 fi
 
-# One task on one node runs torchrun, which starts a process per GPU of the node.
-# --standalone: a rendezvous on this node only, on a free port; enough for a single node.
-# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
-# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05 to 23.02 do not.
+# One task on one node runs torchrun, which starts a process per GPU of
+# the node. --standalone: a rendezvous on this node only, on a free port;
+# enough for a single node. --cpus-per-task: each task gets the CPUs per
+# task that the job asked for, for its DataLoader workers. Slurm 23.11
+# and later pass them on to srun unasked; 22.05 to 23.02 do not.
 srun --cpus-per-task="$SLURM_CPUS_PER_TASK" \
     torchrun --standalone --nproc-per-node="$SLURM_GPUS_ON_NODE" main.py "$@"

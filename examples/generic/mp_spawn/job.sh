@@ -10,7 +10,7 @@
 # Stop at the first failing command.
 set -e
 
-# --- Site-specific: make torch importable, and say where CIFAR-10 is unpacked -------------
+# --- Site-specific: make torch importable, and say where CIFAR-10 is unpacked ---------
 # This is a virtual environment; create it once, on a login node:
 #   python3 -m venv ~/venvs/ddp
 #   ~/venvs/ddp/bin/pip install torch==2.14.1 torchvision==0.29.1
@@ -20,6 +20,6 @@ set -e
 source "$HOME/venvs/ddp/bin/activate"
 DATA_DIR=$HOME/datasets/cifar10
 
-# One process, on one node, which spawns one process per GPU itself: no srun or torchrun.
-# mp.spawn cannot reach other nodes, so this job asks for exactly one.
+# One process, on one node, which spawns one process per GPU itself: no srun or
+# torchrun. mp.spawn cannot reach other nodes, so this job asks for exactly one.
 python main.py --data-dir "$DATA_DIR" "$@"

@@ -1,4 +1,5 @@
-"""The first DDP program, started by srun: one Slurm task per GPU, on any number of nodes.
+"""The first DDP program, started by srun: one Slurm task
+per GPU, on any number of nodes.
 
 Over first_ddp, only setup() changes: the rank, local rank and world size come from the
 variables that srun gives each task, and the rendezvous address from job.sh.
@@ -28,7 +29,10 @@ def main():
 
     local_rank, rank, world_size = setup()
     device = get_device(local_rank)
-    print(f"[{rank}/{world_size}] Running on {socket.gethostname()}, device {device}", flush=True)
+    print(
+        f"[{rank}/{world_size}] Running on {socket.gethostname()}, device {device}",
+        flush=True,
+    )
 
     dataset = RegressionDataset(args.dataset_size)
     # The sampler hands each process its own 1/world_size of the samples.
@@ -52,18 +56,20 @@ def main():
 
 
 def setup():
-    """Joins the process group as the task srun started; returns local rank, rank, world size."""
+    """Joins the process group as the task srun started;
+    returns local rank, rank, world size."""
     if "SLURM_STEP_NUM_TASKS" not in os.environ:
-        # Without srun (in the batch script, say), only one process would start, and it would
-        # wait for the others forever.
+        # Without srun (in the batch script, say), only one process would start, and it
+        # would wait for the others forever.
         raise SystemExit(
-            "error: not started by srun: SLURM_STEP_NUM_TASKS is not set. Start one process "
-            "per task with `srun python main.py` (job.sh does)."
+            "error: not started by srun: SLURM_STEP_NUM_TASKS is not set. Start one "
+            "process per task with `srun python main.py` (job.sh does)."
         )
     rank = int(os.environ["SLURM_PROCID"])
     local_rank = int(os.environ["SLURM_LOCALID"])
     world_size = int(os.environ["SLURM_NTASKS"])
-    # MASTER_ADDR and MASTER_PORT come from job.sh; the default env:// rendezvous reads them.
+    # MASTER_ADDR and MASTER_PORT come from job.sh; the
+    # default env:// rendezvous reads them.
     backend = "nccl" if use_gpus() else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     return local_rank, rank, world_size
@@ -72,8 +78,9 @@ def setup():
 def use_gpus() -> bool:
     """True to train on GPUs with NCCL, False to train on CPUs with gloo.
 
-    A task that Slurm gave GPUs must use them: when CUDA does not work there, stop at once rather
-    than train on CPUs for hours. TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
+    A task that Slurm gave GPUs must use them: when CUDA does not
+    work there, stop at once rather than train on CPUs for hours.
+    TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
     """
     if os.environ.get("TRAIN_ON_CPU") == "1":
         return False
@@ -83,21 +90,24 @@ def use_gpus() -> bool:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if gpus not in ("", "0") or visible not in ("", "-1", "NoDevFiles"):
         raise SystemExit(
-            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, CUDA_VISIBLE_DEVICES="
-            f"{visible}), but torch {torch.__version__} cannot use them. Likely causes: a torch "
-            "build without CUDA; an NVIDIA driver older than the build needs (compare `nvidia-smi` "
-            f"with CUDA {torch.version.cuda}); a container started without its GPUs (apptainer "
+            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, "
+            f"CUDA_VISIBLE_DEVICES={visible}), but torch {torch.__version__} cannot "
+            "use them. Likely causes: a torch build without CUDA; an NVIDIA driver "
+            "older than the build needs (compare `nvidia-smi` with CUDA "
+            f"{torch.version.cuda}); a container started without its GPUs (apptainer "
             "--nv). To train on CPUs anyway, set TRAIN_ON_CPU=1."
         )
     return False
 
 
 def get_device(local_rank: int) -> torch.device:
-    """This process's GPU, made its current device; or the CPU when not training on GPUs.
+    """This process's GPU, made its current device; or the
+    CPU when not training on GPUs.
 
-    Slurm may show a task every GPU of its node, or only its own (--gpu-bind, often with
-    --gpus-per-task, or a MIG slice). One rule fits both: a process that sees one GPU takes it,
-    and a process that sees several takes the one at its local rank, its place on its node.
+    Slurm may show a task every GPU of its node, or only its own
+    (--gpu-bind, often with --gpus-per-task, or a MIG slice). One rule
+    fits both: a process that sees one GPU takes it, and a process that
+    sees several takes the one at its local rank, its place on its node.
     """
     if not use_gpus():
         return torch.device("cpu")
@@ -105,8 +115,9 @@ def get_device(local_rank: int) -> torch.device:
     index = 0 if visible == 1 else local_rank
     if index >= visible:
         raise SystemExit(
-            f"error: the process of local rank {local_rank} sees {visible} GPUs, none of them its "
-            "own. Ask for a GPU per process: as many GPUs per node as processes per node."
+            f"error: the process of local rank {local_rank} sees {visible} GPUs, none "
+            "of them its own. Ask for a GPU per process: as many GPUs per node as "
+            "processes per node."
         )
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
@@ -114,15 +125,16 @@ def get_device(local_rank: int) -> torch.device:
 
 
 class Trainer:
-    """Trains a model with DDP: every process runs this, on its own share of the data."""
+    """Trains a model with DDP: every process runs this, on
+    its own share of the data."""
 
     def __init__(self, model, dataloader, optimizer, device):
         self.device = device
         self.dataloader = dataloader
         self.optimizer = optimizer
         device_ids = [device] if device.type == "cuda" else None
-        # DDP copies rank 0's initial weights to all processes, and averages gradients in
-        # backward(), so that every copy takes the same step.
+        # DDP copies rank 0's initial weights to all processes, and averages gradients
+        # in backward(), so that every copy takes the same step.
         self.model = DistributedDataParallel(model.to(device), device_ids=device_ids)
 
     def _run_batch(self, x, y):
@@ -133,12 +145,15 @@ class Trainer:
         return loss.detach()
 
     def _run_epoch(self, epoch: int) -> float:
-        # A new shuffle every epoch: without set_epoch, each epoch repeats the same order.
+        # A new shuffle every epoch: without set_epoch,
+        # each epoch repeats the same order.
         self.dataloader.sampler.set_epoch(epoch)
         total = torch.zeros(2, device=self.device)
         for x, y in self.dataloader:
             loss = self._run_batch(x.to(self.device), y.to(self.device))
-            total += torch.stack([loss * len(x), torch.tensor(len(x), device=self.device)])
+            total += torch.stack(
+                [loss * len(x), torch.tensor(len(x), device=self.device)]
+            )
         # The epoch's mean loss over all processes, identical on each of them.
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
@@ -153,7 +168,8 @@ class Trainer:
 
 
 class RegressionDataset(Dataset):
-    """Random inputs of 20 features; each target is a fixed linear function of them, plus noise."""
+    """Random inputs of 20 features; each target is a fixed
+    linear function of them, plus noise."""
 
     def __init__(self, size: int):
         generator = torch.Generator().manual_seed(0)  # the same data in every process
@@ -170,8 +186,9 @@ class RegressionDataset(Dataset):
 
 if __name__ == "__main__":
     main()
-    # The DDP model sits in reference cycles that keep the process group alive. Collect them
-    # now, while Python can still run the group's threads down cleanly: left to the interpreter's
-    # exit, gloo's threads abort the process (exit code 134) after a successful run.
+    # The DDP model sits in reference cycles that keep the process group
+    # alive. Collect them now, while Python can still run the group's
+    # threads down cleanly: left to the interpreter's exit, gloo's
+    # threads abort the process (exit code 134) after a successful run.
     gc.collect()
     dist.destroy_process_group()

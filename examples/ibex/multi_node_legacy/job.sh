@@ -15,7 +15,7 @@ set -e
 
 scontrol show job "$SLURM_JOB_ID"
 
-# --- Ibex: software environment and data -------------------------------------------------
+# --- Ibex: software environment and data ----------------------------------------------
 # The environment of ../multi_node/job.sh, created once, on a login node:
 #   conda create -y -n dist-pytorch python=3.11
 #   conda activate dist-pytorch
@@ -33,12 +33,15 @@ export OMP_NUM_THREADS=1
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 head_node=${nodes[0]}
 # The head node's address: whichever comes second in its list of addresses.
-master_ip=$(srun --nodes=1 --ntasks=1 --gpus=1 -w "$head_node" hostname -I | cut -d " " -f 2)
+master_ip=$(srun --nodes=1 --ntasks=1 --gpus=1 -w "$head_node" hostname -I |
+    cut -d " " -f 2)
 # A port that is free on this node at this moment.
-master_port=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1]); s.close()')
+master_port=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0))
+print(s.getsockname()[1])')
 echo "Rendezvous at $master_ip:$master_port"
 
-# One srun per node, in the background, each starting the deprecated launcher for its node.
+# One srun per node, in the background, each starting the
+# deprecated launcher for its node.
 for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do
     srun --nodes=1 --ntasks=1 -c "$SLURM_CPUS_PER_TASK" --gpus="$SLURM_GPUS_PER_NODE" \
         -w "${nodes[i]}" \

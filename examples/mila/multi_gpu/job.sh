@@ -12,7 +12,7 @@ set -e
 echo "Date:     $(date)"
 echo "Hostname: $(hostname)"
 
-# --- Mila: software environment ---------------------------------------------------------
+# --- Mila: software environment -------------------------------------------------------
 # Create the environment once, on a login node:
 #   module load anaconda/3
 #   conda create -y -n pytorch python=3.11
@@ -24,21 +24,23 @@ module --quiet purge
 module load anaconda/3
 conda activate pytorch
 
-# --- Mila: stage the dataset on the node's local disk ----------------------------------
-# $SLURM_TMPDIR is fast and private to the job; reading from /network during training is not.
+# --- Mila: stage the dataset on the node's local disk ---------------------------------
+# $SLURM_TMPDIR is fast and private to the job; reading
+# from /network during training is not.
 mkdir -p "$SLURM_TMPDIR/data"
 cp /network/datasets/cifar10/cifar-10-python.tar.gz "$SLURM_TMPDIR/data/"
 
-# Where the tasks meet to form the process group: this node, on a port derived from the job
-# ID, so that two jobs sharing a node do not pick the same one. 10000-19999 is below the range
-# the kernel hands out to outgoing connections.
+# Where the tasks meet to form the process group: this node, on a port derived from the
+# job ID, so that two jobs sharing a node do not pick the same one. 10000-19999 is below
+# the range the kernel hands out to outgoing connections.
 export MASTER_ADDR=127.0.0.1
 export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 
-# srun starts one task per GPU (--ntasks-per-node above), each with its own SLURM_PROCID.
-# Arguments after `sbatch job.sh` reach main.py: `sbatch job.sh --synthetic-data --max-steps 50`.
-# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
-# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05 to 23.02 do not.
-# --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
-# otherwise wait for it in their next collective until a timeout.
+# srun starts one task per GPU (--ntasks-per-node above), each with its own
+# SLURM_PROCID. Arguments after `sbatch job.sh` reach main.py:
+# `sbatch job.sh --synthetic-data --max-steps 50`. --cpus-per-task: each task gets the
+# CPUs per task that the job asked for, for its DataLoader workers. Slurm 23.11 and
+# later pass them on to srun unasked; 22.05 to 23.02 do not. --kill-on-bad-exit: if one
+# task fails, end the others at once. With NCCL, they could otherwise wait for it in
+# their next collective until a timeout.
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@"

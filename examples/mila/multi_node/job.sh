@@ -13,7 +13,7 @@ set -e
 echo "Date:     $(date)"
 echo "Hostname: $(hostname)"
 
-# --- Mila: software environment ---------------------------------------------------------
+# --- Mila: software environment -------------------------------------------------------
 # Create the environment once, on a login node:
 #   module load anaconda/3
 #   conda create -y -n pytorch python=3.11
@@ -25,24 +25,26 @@ module --quiet purge
 module load anaconda/3
 conda activate pytorch
 
-# --- Mila: stage the dataset on every node's local disk --------------------------------
-# Each node has its own $SLURM_TMPDIR, so one task per node does the copy. The single quotes
-# make $SLURM_TMPDIR expand on that node, not here.
+# --- Mila: stage the dataset on every node's local disk -------------------------------
+# Each node has its own $SLURM_TMPDIR, so one task per node does the copy. The single
+# quotes make $SLURM_TMPDIR expand on that node, not here.
 # shellcheck disable=SC2016
 srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" bash -c \
-    'mkdir -p "$SLURM_TMPDIR/data" && cp /network/datasets/cifar10/cifar-10-python.tar.gz "$SLURM_TMPDIR/data/"'
+    'mkdir -p "$SLURM_TMPDIR/data" &&
+     cp /network/datasets/cifar10/cifar-10-python.tar.gz "$SLURM_TMPDIR/data/"'
 
-# Where the tasks meet to form the process group: the first node of the job, which every node
-# can reach by name, on a port derived from the job ID, so that two jobs sharing a node do not
-# pick the same one. 10000-19999 is below the range the kernel uses for outgoing connections.
+# Where the tasks meet to form the process group: the first node of the
+# job, which every node can reach by name, on a port derived from the job
+# ID, so that two jobs sharing a node do not pick the same one.
+# 10000-19999 is below the range the kernel uses for outgoing connections.
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 export MASTER_ADDR=${nodes[0]}
 export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 
-# srun starts one task per GPU on every node, each with its own SLURM_PROCID.
-# Arguments after `sbatch job.sh` reach main.py: `sbatch job.sh --synthetic-data --max-steps 50`.
+# srun starts one task per GPU on every node, each with its own SLURM_PROCID. Arguments
+# after `sbatch job.sh` reach main.py: `sbatch job.sh --synthetic-data --max-steps 50`.
 # --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
-# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05 to 23.02 do not.
-# --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
-# otherwise wait for it in their next collective until a timeout.
+# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05 to 23.02
+# do not. --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they
+# could otherwise wait for it in their next collective until a timeout.
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@"

@@ -12,7 +12,7 @@ set -e
 echo "Date:     $(date)"
 echo "Hostname: $(hostname)"
 
-# --- Mila: software environment ---------------------------------------------------------
+# --- Mila: software environment -------------------------------------------------------
 # Create the environment once, on a login node:
 #   module load anaconda/3
 #   conda create -y -n pytorch python=3.11
@@ -24,10 +24,12 @@ module --quiet purge
 module load anaconda/3
 conda activate pytorch
 
-# --- Mila: stage the dataset on the node's local disk ----------------------------------
-# $SLURM_TMPDIR is fast and private to the job; reading from /network during training is not.
+# --- Mila: stage the dataset on the node's local disk ---------------------------------
+# $SLURM_TMPDIR is fast and private to the job; reading
+# from /network during training is not.
 mkdir -p "$SLURM_TMPDIR/data"
 cp /network/datasets/cifar10/cifar-10-python.tar.gz "$SLURM_TMPDIR/data/"
 
-# Arguments after `sbatch job.sh` reach main.py: `sbatch job.sh --synthetic-data --max-steps 50`.
+# Arguments after `sbatch job.sh` reach main.py:
+# `sbatch job.sh --synthetic-data --max-steps 50`.
 python main.py "$@"

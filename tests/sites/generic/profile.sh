@@ -1,10 +1,11 @@
 # shellcheck shell=bash
 # Any Slurm cluster, as the generic job scripts expect it (see docs/testing.md):
-# - $HOME/venvs/ddp: a virtual environment with the examples' dependencies, bind-mounted on
-#   every node from tests/sites/generic/venv;
-# - $SCRATCH, shared by the nodes and kept between jobs, for checkpoints, and with data/imagenet:
-#   a small image folder made by tests/tinyimagenet.py when the cluster starts, in ImageNet's
-#   train/<class>/ and val/<class>/ layout, for the image_classifier example;
+# - $HOME/venvs/ddp: a virtual environment with the examples' dependencies, bind-mounted
+#   on every node from tests/sites/generic/venv;
+# - $SCRATCH, shared by the nodes and kept between jobs, for checkpoints, and
+#   with data/imagenet: a small image folder made by tests/tinyimagenet.py
+#   when the cluster starts, in ImageNet's train/<class>/ and val/<class>/
+#   layout, for the image_classifier example;
 # - no modules or $SLURM_TMPDIR.
 export LAB_MODULES=""
 export LAB_CONDA_ENVS=""
