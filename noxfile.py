@@ -1,15 +1,17 @@
 """Sessions for the guide.
 
-nox -s examples docs    every example in CPU smoke mode, then the site nox -s lint tests
-the test suite, Slurm test cluster included (root; what .ci/run runs):
-                        everything on Slurm 24.11, then the every_version tests on 22.05
-nox -s slurm            only the tests that submit job.sh
-files to the Slurm test cluster, all
-                        of them on each version;
+nox -s examples docs    every example in CPU smoke mode, then the site
+nox -s lint tests       the test suite, Slurm test cluster and browser included (root;
+                        what .ci/run runs): everything on Slurm 24.11, then the
+                        every_version tests on 22.05
+nox -s slurm            only the tests that submit job.sh files to the Slurm test
+                        cluster, all of them on each version;
                         `nox -s "slurm(version='22.05')"` for one
-nox -s docs -- --serve  rebuild the site on every change,
-served on localhost:8000 nox -s bench            samples/s of
-the image_classifier example with each speed setting (GPU)
+nox -s docs -- --serve  rebuild the site on every change, served on localhost:8000
+nox -s bench            samples/s of the image_classifier example with each speed
+                        setting (GPU)
+nox -s screenshots      PNGs of the Mila page's first diff, light and dark, for the
+                        README
 """
 
 import os
@@ -97,6 +99,14 @@ def docs(session: nox.Session) -> None:
         "sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html",
         *session.posargs,
     )  # fmt: skip
+
+
+@nox.session
+def screenshots(session: nox.Session) -> None:
+    """Builds the site; writes docs/images/mila-diff-{light,dark}.png (chromium)."""
+    install(session, "docs")
+    install(session, "browser")
+    session.run("python", "tests/screenshots.py", *session.posargs)
 
 
 @nox.session

@@ -8,9 +8,9 @@ already on the GPU: the ceiling. Training runs at about the smaller of the
 two. Rows of settings that this machine cannot use are left out: those for
 GPUs without a GPU, and bf16 on GPUs older than compute capability 8.0.
 
-    nox -s bench                                   # ResNet-50 at 224 px, synthetic
-    images nox -s bench -- --csv bench.csv -- --data-dir /path/to/imagenet python
-    tests/bench.py --steps 20 -- --model resnet18 --batch-size 64
+    nox -s bench                  # ResNet-50 at 224 px, synthetic images
+    nox -s bench -- --csv bench.csv -- --data-dir /path/to/imagenet
+    python tests/bench.py --steps 20 -- --model resnet18 --batch-size 64
 
 Arguments after `--` go to main.py. With --data-dir, the input pipeline decodes and
 augments your JPEGs, which is what it costs in training; synthetic images cost next to

@@ -1,12 +1,11 @@
 """A tiny synthetic TinyImageNet, in the real dataset's on-disk layout.
 
-    root/wnids.txt                           one class ID (WordNet ID)
-    per line root/words.txt                           class ID, tab,
-    its name root/train/<wnid>/images/<wnid>_<i>.JPEG  64x64 JPEGs, one
-    folder per class root/train/<wnid>/<wnid>_boxes.txt        bounding
-    boxes (not used for classification) root/val/images/val_<j>.JPEG
-    every validation image in one folder root/val/val_annotations.txt
-    file, tab, class ID, tab, bounding box
+    root/wnids.txt                            one class ID (WordNet ID) per line
+    root/words.txt                            class ID, tab, its name
+    root/train/<wnid>/images/<wnid>_<i>.JPEG  64x64 JPEGs, one folder per class
+    root/train/<wnid>/<wnid>_boxes.txt        bounding boxes (unused)
+    root/val/images/val_<j>.JPEG              every validation image in one folder
+    root/val/val_annotations.txt              file, tab, class ID, tab, bounding box
 
 The Ibex examples read it with their real loading code: ImageFolder for train/, and the
 annotations file for val/. make_folders() writes the simpler layout of one folder per
