@@ -1,31 +1,24 @@
-"""The site builds cleanly, shows every example file, and shows no code that is not tested."""
+"""The site builds cleanly, shows every example file, and shows no code that is not
+tested."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs" / "_ext"))
+import guide_code  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted(
-    p for p in DOCS.glob("**/*") if p.suffix in {".md", ".rst"} and "_build" not in p.parts
+    p
+    for p in DOCS.glob("**/*")
+    if p.suffix in {".md", ".rst"} and "_build" not in p.parts
 )
 INCLUDE = re.compile(r"(?:\{literalinclude\}|literalinclude::)\s+(\S+)")
 DIFF = re.compile(r"^\s*:diff:\s+(\S+)", re.MULTILINE)
-
-
-@pytest.fixture(scope="module")
-def html(tmp_path_factory):
-    out = tmp_path_factory.mktemp("html")
-    result = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", str(DOCS), str(out)],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return out
 
 
 def included_files(pattern):
@@ -36,10 +29,10 @@ def included_files(pattern):
     return found
 
 
-def test_site_builds_with_warnings_as_errors(html):
-    assert (html / "index.html").exists()
-    assert (html / "clusters" / "mila.html").exists()
-    assert (html / "clusters" / "ibex.html").exists()
+def test_site_builds_with_warnings_as_errors(site):
+    assert (site / "index.html").exists()
+    assert (site / "clusters" / "mila.html").exists()
+    assert (site / "clusters" / "ibex.html").exists()
 
 
 def test_every_example_file_is_shown_whole_on_a_page():
@@ -50,6 +43,16 @@ def test_every_example_file_is_shown_whole_on_a_page():
     }
     missing = example_files - included_files(INCLUDE)
     assert not missing, f"not included by any page: {sorted(map(str, missing))}"
+
+
+def test_every_file_shown_fits_the_content_column():
+    # 88 columns (ruff's line-length), and one more for a diff's marker, fit the page at
+    # 1366 px; test_site_in_browser.py measures it.
+    for path in included_files(INCLUDE):
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            assert len(line) <= 88, (
+                f"{path.relative_to(ROOT)}:{number}: {len(line)} columns"
+            )
 
 
 def test_every_diff_compares_example_files():
@@ -71,26 +74,75 @@ def code_blocks(text):
 
 
 def test_pages_have_no_untested_code_blocks():
-    # Code of more than one line must come from a file that the tests run (literalinclude).
+    # Code of more than one line must come from a file that the tests run
+    # (literalinclude).
     for page in PAGES:
         for info, body in code_blocks(page.read_text()):
             if info.startswith("{") and info != "{code-block}":
                 continue  # a directive: literalinclude, toctree, ...
             lines = [line for line in body if line.strip()]
-            assert len(lines) <= 1, f"{page.name}: a {len(lines)}-line code block: {lines}"
+            assert len(lines) <= 1, (
+                f"{page.name}: a {len(lines)}-line code block: {lines}"
+            )
         if page.suffix == ".rst":
             # reStructuredText pages show code only through literalinclude.
-            assert not re.search(r"^\s*\.\. (code-block|code|sourcecode)::", page.read_text(), re.M)
+            assert not re.search(
+                r"^\s*\.\. (code-block|code|sourcecode)::", page.read_text(), re.M
+            )
             for line in page.read_text().splitlines():
                 directive = re.match(r"\s*\.\. [\w-]+::", line)
-                assert directive or not line.rstrip().endswith("::"), f"literal block: {line}"
+                assert directive or not line.rstrip().endswith("::"), (
+                    f"literal block: {line}"
+                )
 
 
 @pytest.mark.parametrize(("page", "diffs"), [("mila", 6), ("ibex", 4), ("generic", 10)])
-def test_diffs_show_relative_paths_and_have_no_copy_button(html, page, diffs):
-    text = (html / "clusters" / f"{page}.html").read_text()
-    assert text.count('class="highlight-udiff') == diffs
+def test_diffs_show_relative_paths_and_have_no_copy_button(site, page, diffs):
+    text = (site / "clusters" / f"{page}.html").read_text()
+    assert text.count('<div class="code-diff highlight-diff-') == diffs
     assert str(ROOT) not in text
     assert f"--- examples/{page}/" in text
     conf = (DOCS / "conf.py").read_text()
-    assert 'copybutton_selector = "div:not(.highlight-udiff) > div.highlight > pre"' in conf
+    assert 'copybutton_selector = "div:not(.code-diff) > div.highlight > pre"' in conf
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_diff_hunks_keep_their_context_and_name_their_function(tmp_path, monkeypatch):
+    monkeypatch.setattr(guide_code, "ROOT", tmp_path)
+    body = [f"    x{i} = {i}\n" for i in range(40)]
+    old = ["import os\n", "\n", "\n", "def train(model):\n", *body, "\n", "\n"]
+    new = list(old)
+    new[4 + 12] = (
+        "    x12 = 'changed'\n"  # deep inside train(), out of the context's reach
+    )
+    new.append("STEPS = 3\n")  # at the top level
+    diff = guide_code.make_diff(
+        write(tmp_path / "old.py", "".join(old)),
+        write(tmp_path / "new.py", "".join(new)),
+        "python",
+        "utf-8",
+    )
+    headers = [line for line in diff.splitlines() if line.startswith("@@")]
+    assert headers == ["@@ -12,11 +12,11 @@ def train(model):", "@@ -42,5 +42,6 @@"]
+    first_hunk = diff.split("@@ -12")[1].splitlines()[1:12]
+    assert [line[:1] for line in first_hunk] == [" "] * 5 + ["-", "+"] + [" "] * 4
+    assert diff.startswith("--- old.py\n+++ new.py\n")
+
+
+def test_diff_lexer_highlights_the_code_and_loses_nothing():
+    from pygments.token import Generic, Keyword, String
+
+    diff = (
+        "--- a.py\n+++ b.py\n@@ -1,3 +1,4 @@\n"
+        ' def f():\n-    """Old.\n+    """New,\n+    on two lines.\n     """\n'
+    )
+    tokens = list(guide_code.PythonDiffLexer().get_tokens(diff))
+    assert "".join(value for _, value in tokens) == diff
+    assert (Keyword, "def") in tokens
+    assert (Generic.Inserted, "+") in tokens and (Generic.Deleted, "-") in tokens
+    # Each side is lexed whole: the added docstring's second line is still a string.
+    assert any(t in String and "on two lines" in value for t, value in tokens)
