@@ -1,10 +1,12 @@
-"""Shared fixtures, the Slurm version option, and the rule that in CI a skipped test fails."""
+"""Shared fixtures (the built site, smoke runs, the Slurm cluster), the Slurm version
+option, and the rule that in CI a skipped test fails."""
 
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+from site_browser import build_site
 from slurm_lab import DEFAULT_VERSION, ROOTS, VERSIONS, Lab, LabUnavailable
 from smoke import Launch, run_example
 
@@ -20,7 +22,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.fixture(scope="session")
 def smoke_run():
-    """Runs each (example, launch) in smoke mode once per session; several tests read it."""
+    """Runs each (example, launch) in smoke mode once per session; several tests read
+    it."""
     runs = {}
 
     def run(name: str, launch: Launch | None = None, env: dict[str, str] | None = None):
@@ -30,6 +33,12 @@ def smoke_run():
         return runs[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory):
+    """The site, built once per session as `nox -s docs` builds it."""
+    return build_site(tmp_path_factory.mktemp("site") / "html")
 
 
 @pytest.fixture(scope="session")
@@ -49,29 +58,39 @@ def lab(pytestconfig):
 
 
 def assert_torn_down(network_existed: bool):
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    netns = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True
+    ).stdout
     assert "ddplab" not in netns
     links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     assert "ddplab" not in links and "ddpe-" not in links and "ddpi-" not in links
     assert "ddp-slurm-lab" not in Path("/etc/hosts").read_text()
-    daemons = subprocess.run(["pgrep", "-f", "ddp-slurm-lab"], capture_output=True, text=True)
+    daemons = subprocess.run(
+        ["pgrep", "-f", "ddp-slurm-lab"], capture_output=True, text=True
+    )
     assert daemons.stdout == "", daemons.stdout
     assert not Path("/tmp/ddp-slurm-lab").exists()
-    # The Debian root's bind mounts live in namespaces of the lab's processes: none may remain.
+    # The Debian root's bind mounts live in namespaces of the lab's processes: none may
+    # remain.
     for mountinfo in Path("/proc").glob("[0-9]*/mountinfo"):
         try:
             mounts = mountinfo.read_text()
         except OSError:  # the process has just exited
             continue
-        assert str(ROOTS) not in mounts, f"{mountinfo.parent.name} still holds a mount in {ROOTS}"
+        assert str(ROOTS) not in mounts, (
+            f"{mountinfo.parent.name} still holds a mount in {ROOTS}"
+        )
     assert Path("/network").exists() == network_existed
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    # A skip hides a failure: CI (CI=true) must run every test. Only a developer without what a
-    # test needs (root, for the Slurm cluster) may skip, and pytest -ra prints the reason.
+    # A skip hides a failure: CI (CI=true) must run every test. Only a developer without
+    # what a test needs (root, for the Slurm cluster) may skip, and pytest -ra prints
+    # the reason.
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = reporter.stats.get("skipped", []) if reporter else []
     if os.environ.get("CI") and skipped and exitstatus == 0:
-        reporter.write_line(f"CI: {len(skipped)} test(s) skipped, which CI counts as failures")
+        reporter.write_line(
+            f"CI: {len(skipped)} test(s) skipped, which CI counts as failures"
+        )
         session.exitstatus = 1

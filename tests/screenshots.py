@@ -1,0 +1,50 @@
+"""Screenshots of the site: the Mila page's first diff, in light and in dark mode.
+
+    nox -s screenshots               builds the site, writes docs/images/mila-diff-*.png
+    python tests/screenshots.py DIR  the same into DIR, from a site built already
+
+The README shows the light one, so that a visitor sees what the guide looks like before
+building it. Run it again after a change to how code looks, and commit the pictures.
+"""
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from playwright.sync_api import sync_playwright
+from site_browser import LAPTOP, ROOT, build_site, launch, serve, show_first_diff
+
+
+def take(site: Path, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    with serve(site) as base, sync_playwright() as playwright:
+        browser = launch(playwright)
+        for scheme in ("light", "dark"):
+            # furo follows the system's colour scheme until a reader picks one.
+            page = browser.new_page(
+                viewport=LAPTOP, color_scheme=scheme, device_scale_factor=1
+            )
+            show_first_diff(page, base)
+            # The tab set: its labels, then the diff.
+            path = out / f"mila-diff-{scheme}.png"
+            page.locator(".sd-tab-set:has(.code-diff)").first.screenshot(path=path)
+            written.append(path)
+            page.close()
+        browser.close()
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, nargs="?", default=ROOT / "docs" / "images")
+    parser.add_argument("--site", type=Path, help="a built site (default: build one)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        site = args.site or build_site(Path(tmp) / "html")
+        for path in take(site, args.out):
+            print(path)
+
+
+if __name__ == "__main__":
+    main()
