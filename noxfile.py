@@ -74,8 +74,7 @@ def examples(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Samples/s of the image_classifier example as each
-    speed setting is turned on (GPU node).
+    """Samples/s of the image classifier as each speed setting is turned on (GPU node).
 
     `nox -s bench -- --csv bench.csv -- --data-dir DIR` measures
     your own data's input pipeline; see tests/bench.py.
@@ -111,8 +110,7 @@ def screenshots(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff on the Python files, shellcheck on every job.sh
-    and on the test sites' scripts."""
+    """ruff on the Python files; shellcheck on job.sh files and the sites' scripts."""
     install(session, "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -121,8 +119,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole test suite, with the Slurm tests (which
-    need root), on both Slurm versions.
+    """The whole test suite, Slurm and browser tests included (root), on both versions.
 
     Slurm 24.11, the version clusters run, gets every test. Slurm 22.05 gets the tests
     marked every_version: each job.sh to completion and through sbatch --test-only, the

@@ -1,7 +1,7 @@
 """Screenshots of the site: the Mila page's first diff, in light and in dark mode.
 
-    nox -s screenshots               builds the site, writes docs/images/mila-diff-*.png
-    python tests/screenshots.py DIR  the same into DIR, from a site built already
+    nox -s screenshots             builds the site, writes docs/images/mila-diff-*.png
+    python tests/screenshots.py DIR --site SITE    the same into DIR, from a built SITE
 
 The README shows the light one, so that a visitor sees what the guide looks like before
 building it. Run it again after a change to how code looks, and commit the pictures.

@@ -1,5 +1,4 @@
-"""A real Slurm cluster on this machine: one controller and
-two compute nodes, of either version.
+"""A real Slurm cluster on this machine: a controller and two nodes, of either version.
 
 Each node is a slurmd in its own network, UTS and mount namespace, so it has its own
 hostname and IP address, as on a real cluster: `hostname -I`, `scontrol show hostnames`,
@@ -16,16 +15,15 @@ Two Slurm versions, chosen by `Lab(version=...)`:
   puts wrappers first on PATH that run the commands (sbatch, srun, ...) there.
 - 22.05: Debian 12's packages, installed on this machine itself.
 
-A site profile (tests/sites/<name>/) supplies what a cluster gives
-its jobs: the `module` and `conda` commands, dataset folders, and
-`$SLURM_TMPDIR`. The job scripts are submitted unchanged.
+A site profile (tests/sites/<name>/) supplies what a cluster gives its jobs: the
+`module` and `conda` commands, dataset folders, and `$SLURM_TMPDIR`. The job scripts are
+submitted unchanged.
 
 Used by the test suite, and by hand as root, with a Python that has the examples'
 dependencies (the profiles hand it to the jobs), e.g. .nox/tests/bin/python:
 
-    python tests/slurm_lab.py up [22.05|24.11]  # install if
-    needed, start, print what to export python tests/slurm_lab.py
-    down              # stop everything and remove what `up` made
+    python tests/slurm_lab.py up [22.05|24.11]  # install, start, print what to export
+    python tests/slurm_lab.py down              # stop, and remove what `up` made
 """
 
 from __future__ import annotations

@@ -133,6 +133,32 @@ def test_diff_hunks_keep_their_context_and_name_their_function(tmp_path, monkeyp
     assert diff.startswith("--- old.py\n+++ new.py\n")
 
 
+def test_a_hunk_header_names_only_a_definition_that_holds_the_change(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(guide_code, "ROOT", tmp_path)
+    name = "a_function_whose_signature_is_too_long_to_fit_the_header"
+    old = [
+        f"def {name}(first_argument, second_argument, third_argument):\n",
+        *[f"    x{i} = {i}\n" for i in range(12)],
+        'if __name__ == "__main__":\n',
+        *[f"    y{i} = {i}\n" for i in range(12)],
+    ]
+    new = list(old)
+    new[6] = "    x5 = 'changed'\n"
+    new[20] = "    y6 = 'changed'\n"  # under the `if`, after the def: no def holds it
+    diff = guide_code.make_diff(
+        write(tmp_path / "old.py", "".join(old)),
+        write(tmp_path / "new.py", "".join(new)),
+        "python",
+        "utf-8",
+    )
+    headers = [line for line in diff.splitlines() if line.startswith("@@")]
+    assert headers[0] == f"@@ -2,11 +2,11 @@ def {name}(…"
+    assert len(headers[0]) <= 88
+    assert headers[1] == "@@ -16,11 +16,11 @@"
+
+
 def test_diff_lexer_highlights_the_code_and_loses_nothing():
     from pygments.token import Generic, Keyword, String
 

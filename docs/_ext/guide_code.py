@@ -44,6 +44,9 @@ DEFINITIONS = {
     "python": re.compile(r"^(\s*)(?:async\s+def|def|class)\s"),
     "bash": re.compile(r"^(\s*)(?:function\s+\w|\w[\w-]*\s*\(\)\s*\{?)"),
 }
+# Lines split at "\n" only: str.splitlines also splits at \f and \u2028, which
+# would shift the diff's lines against the lexer's.
+LINES = re.compile(r"[^\n]*\n|[^\n]+$")
 PARTIAL_OPTIONS = {
     "pyobject",
     "lines",
@@ -58,66 +61,96 @@ def indent(line: str) -> int:
     return len(line) - len(line.lstrip())
 
 
-def enclosing_definition(lines: list[str], index: int, language: str) -> str:
-    """The innermost def or class above lines[index] that contains it, or ''."""
+def enclosing_definition(
+    lines: list[str], index: int, level: int, language: str
+) -> str:
+    """The innermost def or class that holds a line at `index` indented by `level`."""
     pattern = DEFINITIONS.get(language)
     if pattern is None:
         return ""
-    level = next((indent(line) for line in lines[index:] if line.strip()), 0)
     for line in reversed(lines[:index]):
-        match = pattern.match(line)
-        if match and len(match.group(1)) < level:
+        if not line.strip() or indent(line) >= level:
+            continue
+        if pattern.match(line):
             return line.strip()
+        # A line of an outer block (an `if`, a loop, the top level): keep looking for
+        # a definition that holds it.
+        level = indent(line)
+        if level == 0:
+            return ""
     return ""
 
 
+def fit(header: str, where: str) -> str:
+    """The hunk header and its definition, cut at a word to MAX_WIDTH columns."""
+    line = f"{header} {where}"
+    if len(line) <= MAX_WIDTH:
+        return line
+    cut = line[: MAX_WIDTH - 1]
+    return cut[: max(cut.rfind(" "), cut.rfind("(") + 1)].rstrip() + "…"
+
+
+def read_lines(path: Path, encoding: str) -> list[str]:
+    lines = LINES.findall(path.read_text(encoding=encoding))
+    # difflib would join a last line without a newline to the next line of the diff.
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    return lines
+
+
 def make_diff(old_path: Path, new_path: Path, language: str, encoding: str) -> str:
-    old = old_path.read_text(encoding=encoding).splitlines(keepends=True)
-    new = new_path.read_text(encoding=encoding).splitlines(keepends=True)
+    old, new = read_lines(old_path, encoding), read_lines(new_path, encoding)
     names = (str(old_path.relative_to(ROOT)), str(new_path.relative_to(ROOT)))
     lines = list(unified_diff(old, new, *names, n=DIFF_CONTEXT))
     for number, line in enumerate(lines):
         header = re.match(r"@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@", line)
         if not header:
             continue
-        first = max(
-            int(header.group(1)) - 1, 0
-        )  # the hunk's first line in the new file
+        # The hunk's first line in the new file, and its first change.
+        first = max(int(header.group(1)) - 1, 0)
         context = 0
         while lines[number + 1 + context].startswith(" "):
             context += 1
+        changed = [
+            text[1:]
+            for text in lines[number + 1 + context :]
+            if text[:1] in "+-" and text[1:].strip()
+        ][:1]
+        level = indent(changed[0]) if changed else 0
         # The definition that holds the first change, unless the hunk already shows it.
-        where = enclosing_definition(new, first + context, language)
-        shown = {line.strip() for line in new[first : first + context]}
+        where = enclosing_definition(new, first + context, level, language)
+        shown = {text.strip() for text in new[first : first + context]}
         if where and where not in shown:
-            lines[number] = f"{header.group(0)} {where}"[:MAX_WIDTH].rstrip() + "\n"
+            lines[number] = fit(header.group(0), where) + "\n"
     return "".join(lines)
 
 
 class GuideLiteralInclude(LiteralInclude):
     def run(self) -> list[nodes.Node]:
         path = (Path(self.env.relfn2path(self.arguments[0])[1])).resolve()
-        self.options.setdefault("caption", str(path.relative_to(ROOT)))
-        if "diff" in self.options:
-            # The diff's header names both files; a caption would repeat it.
-            del self.options["caption"]
+        if "diff" not in self.options:
+            # A tab then says which file it holds. A diff's header names both files.
+            self.options.setdefault("caption", str(path.relative_to(ROOT)))
         result = super().run()
         block = next(
             iter(n for r in result for n in r.findall(nodes.literal_block)), None
         )
         if block is None:  # a warning node: the file is missing, say
             return result
-        language = LANGUAGES.get(path.suffix, "text")
+        language = self.options.get("language", LANGUAGES.get(path.suffix))
+        if language not in ("python", "bash"):
+            language = "text"
         if "diff" in self.options:
             encoding = self.options.get("encoding", self.config.source_encoding)
             text = make_diff(Path(self.options["diff"]), path, language, encoding)
             block.children = [nodes.Text(text)]
             block.rawsource = text
             block["language"] = f"diff-{language}"
+            # The lines after the two file names that start with + or -.
             block["highlight_args"]["hl_lines"] = [
                 number
                 for number, line in enumerate(text.splitlines(), start=1)
-                if line.startswith(("+", "-")) and not line.startswith(("+++", "---"))
+                if number > 2 and line[:1] in "+-"
             ]
             block["classes"].append("code-diff")
         elif PARTIAL_OPTIONS & set(self.options):
@@ -133,7 +166,7 @@ class CodeDiffLexer(Lexer):
     inner = None  # the language's lexer class
 
     def get_tokens_unprocessed(self, text):
-        lines = text.splitlines(keepends=True)
+        lines = LINES.findall(text)
         position, index = 0, 0
         # The two file names, then hunks: a header and its lines.
         while index < len(lines) and lines[index].startswith(("--- ", "+++ ")):
@@ -153,8 +186,7 @@ class CodeDiffLexer(Lexer):
                 position += len(value)
 
     def hunk_tokens(self, hunk):
-        """Each side of the hunk lexed as one piece of
-        code, then dealt out line by line."""
+        """Each side of the hunk lexed as one piece of code, then dealt out by line."""
         old = [line for line in hunk if line[:1] in (" ", "-")]
         new = [line for line in hunk if line[:1] in (" ", "+")]
         old_tokens, new_tokens = self.side_tokens(old), self.side_tokens(new)
@@ -174,8 +206,6 @@ class CodeDiffLexer(Lexer):
                 yield from new_tokens[new_index]
                 old_index += 1
                 new_index += 1
-            else:  # "\ No newline at end of file"
-                yield Generic.Subheading, line
 
     def side_tokens(self, side):
         """The tokens of each line of one side, lexed together so strings span lines."""
@@ -184,7 +214,7 @@ class CodeDiffLexer(Lexer):
         row = 0
         lexer = self.inner(stripnl=False, ensurenl=False)
         for _, token_type, value in lexer.get_tokens_unprocessed(code):
-            for piece in value.splitlines(keepends=True):
+            for piece in LINES.findall(value):
                 if row < len(per_line):
                     per_line[row].append((token_type, piece))
                 if piece.endswith("\n"):

@@ -10,7 +10,7 @@
 # Stop at the first failing command.
 set -e
 
-# --- Site-specific: make torch importable (a module, conda or a virtual environment) --
+# --- Site-specific: make torch importable (a module, conda or a venv) -----------------
 # This is a virtual environment; create it once, on a login node:
 #   python3 -m venv ~/venvs/ddp
 #   ~/venvs/ddp/bin/pip install torch==2.14.1 torchvision==0.29.1
@@ -28,10 +28,11 @@ if ((SLURM_NTASKS != SLURM_JOB_NUM_NODES)); then
     exit 1
 fi
 
-# One task on one node runs torchrun, which starts a process per GPU of
-# the node. --standalone: a rendezvous on this node only, on a free port;
-# enough for a single node. --cpus-per-task: each task gets the CPUs per
-# task that the job asked for, for its DataLoader workers. Slurm 23.11
-# and later pass them on to srun unasked; 22.05 to 23.02 do not.
+# One task on one node runs torchrun, which starts a process per GPU of the node.
+# --standalone: a rendezvous on this node only, on a free
+# port; enough for a single node.
+# --cpus-per-task: each task gets the CPUs per task that the
+# job asked for, for its DataLoader workers. Slurm 23.11 and
+# later pass them on to srun unasked; 22.05 to 23.02 do not.
 srun --cpus-per-task="$SLURM_CPUS_PER_TASK" \
     torchrun --standalone --nproc-per-node="$SLURM_GPUS_ON_NODE" main.py "$@"

@@ -8,7 +8,8 @@
 #SBATCH --time=12:00:00
 # This step saves no checkpoint: training must end within --time. Step 6 (checkpointing)
 # adds saving, resuming and requeueing, for runs longer than a job may last.
-# --- Site-specific #SBATCH lines: remove a "#" to use one ("Adapt it to your cluster") 
+# --- Site-specific #SBATCH lines: remove a "#" to use one -----------------------------
+# (values: see "Adapt it to your cluster" in the guide)
 ##SBATCH --partition=gpu
 ##SBATCH --account=my-project
 
@@ -47,9 +48,10 @@ export MASTER_ADDR=${nodes[0]}
 export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 # One task per GPU on every node (--ntasks-per-node = GPUs per node), each a DDP
 # process. Arguments after `sbatch job.sh` reach main.py:
-# `sbatch job.sh --synthetic-data --max-steps 200`. --cpus-per-task: each task gets the
-# CPUs per task that the job asked for, for its DataLoader workers. Slurm 23.11 and
-# later pass them on to srun unasked; 22.05 to 23.02 do not. --kill-on-bad-exit: if one
-# task fails, end the others at once. With NCCL, they could otherwise wait for it in
-# their next collective until a timeout.
+# `sbatch job.sh --synthetic-data --max-steps 200`.
+# --cpus-per-task: each task gets the CPUs per task that the
+# job asked for, for its DataLoader workers. Slurm 23.11 and
+# later pass them on to srun unasked; 22.05 to 23.02 do not.
+# --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
+# otherwise wait for it in their next collective until a timeout.
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@"

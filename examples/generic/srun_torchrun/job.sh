@@ -10,7 +10,7 @@
 # Stop at the first failing command.
 set -e
 
-# --- Site-specific: make torch importable (a module, conda or a virtual environment) --
+# --- Site-specific: make torch importable (a module, conda or a venv) -----------------
 # This is a virtual environment; create it once, on a login node:
 #   python3 -m venv ~/venvs/ddp
 #   ~/venvs/ddp/bin/pip install torch==2.14.1 torchvision==0.29.1
@@ -31,9 +31,10 @@ fi
 # derived from the job ID. torchrun's c10d rendezvous runs inside
 # the torchrun on that node; --rdzv-id keeps other jobs out.
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
-# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
-# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05 to 23.02
-# do not. --kill-on-bad-exit: if one node's torchrun fails, end the others at once.
+# --cpus-per-task: each task gets the CPUs per task that the
+# job asked for, for its DataLoader workers. Slurm 23.11 and
+# later pass them on to srun unasked; 22.05 to 23.02 do not.
+# --kill-on-bad-exit: if one node's torchrun fails, end the others at once.
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" torchrun \
     --nnodes="$SLURM_JOB_NUM_NODES" \
     --nproc-per-node="$SLURM_GPUS_ON_NODE" \

@@ -37,7 +37,7 @@ master_ip=$(srun --nodes=1 --ntasks=1 --gpus=1 -w "$head_node" hostname -I |
     cut -d " " -f 2)
 # A port that is free on this node at this moment.
 master_port=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0))
-print(s.getsockname()[1])')
+print(s.getsockname()[1]); s.close()')
 echo "Rendezvous at $master_ip:$master_port"
 
 # One srun per node, in the background, each starting the
