@@ -25,8 +25,7 @@ module load anaconda/3
 conda activate pytorch
 
 # --- Mila: stage the dataset on the node's local disk ---------------------------------
-# $SLURM_TMPDIR is fast and private to the job; reading
-# from /network during training is not.
+# $SLURM_TMPDIR is fast and private to the job; /network is slow to read in training.
 mkdir -p "$SLURM_TMPDIR/data"
 cp /network/datasets/cifar10/cifar-10-python.tar.gz "$SLURM_TMPDIR/data/"
 
