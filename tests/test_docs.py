@@ -106,9 +106,11 @@ def test_diffs_show_relative_paths_and_have_no_copy_button(site, page, diffs):
     assert 'copybutton_selector = "div:not(.code-diff) > div.highlight > pre"' in conf
 
 
-def write(path, text):
-    path.write_text(text)
-    return path
+def python_diff(folder: Path, old: str, new: str) -> str:
+    """The diff that the site would show between two Python files in `folder`."""
+    (folder / "old.py").write_text(old)
+    (folder / "new.py").write_text(new)
+    return guide_code.make_diff(folder / "old.py", folder / "new.py", "python", "utf-8")
 
 
 def test_diff_hunks_keep_their_context_and_name_their_function(tmp_path, monkeypatch):
@@ -120,12 +122,7 @@ def test_diff_hunks_keep_their_context_and_name_their_function(tmp_path, monkeyp
         "    x12 = 'changed'\n"  # deep inside train(), out of the context's reach
     )
     new.append("STEPS = 3\n")  # at the top level
-    diff = guide_code.make_diff(
-        write(tmp_path / "old.py", "".join(old)),
-        write(tmp_path / "new.py", "".join(new)),
-        "python",
-        "utf-8",
-    )
+    diff = python_diff(tmp_path, "".join(old), "".join(new))
     headers = [line for line in diff.splitlines() if line.startswith("@@")]
     assert headers == ["@@ -12,11 +12,11 @@ def train(model):", "@@ -42,5 +42,6 @@"]
     first_hunk = diff.split("@@ -12")[1].splitlines()[1:12]
@@ -147,28 +144,56 @@ def test_a_hunk_header_names_only_a_definition_that_holds_the_change(
     new = list(old)
     new[6] = "    x5 = 'changed'\n"
     new[20] = "    y6 = 'changed'\n"  # under the `if`, after the def: no def holds it
-    diff = guide_code.make_diff(
-        write(tmp_path / "old.py", "".join(old)),
-        write(tmp_path / "new.py", "".join(new)),
-        "python",
-        "utf-8",
-    )
+    diff = python_diff(tmp_path, "".join(old), "".join(new))
     headers = [line for line in diff.splitlines() if line.startswith("@@")]
     assert headers[0] == f"@@ -2,11 +2,11 @@ def {name}(…"
     assert len(headers[0]) <= 88
     assert headers[1] == "@@ -16,11 +16,11 @@"
 
 
-def test_diff_lexer_highlights_the_code_and_loses_nothing():
+def lex_diff(tmp_path, old: str, new: str) -> tuple[str, list]:
+    diff = python_diff(tmp_path, old, new)
+    return diff, list(guide_code.PythonDiffLexer().get_tokens(diff))
+
+
+def test_diff_lexer_highlights_the_code_and_loses_nothing(tmp_path, monkeypatch):
     from pygments.token import Generic, Keyword, String
 
-    diff = (
-        "--- a.py\n+++ b.py\n@@ -1,3 +1,4 @@\n"
-        ' def f():\n-    """Old.\n+    """New,\n+    on two lines.\n     """\n'
+    monkeypatch.setattr(guide_code, "ROOT", tmp_path)
+    diff, tokens = lex_diff(
+        tmp_path,
+        'def f():\n    """Old."""\n    return 1\n',
+        'def f():\n    """New,\n    on two lines."""\n    return 1\n',
     )
-    tokens = list(guide_code.PythonDiffLexer().get_tokens(diff))
     assert "".join(value for _, value in tokens) == diff
     assert (Keyword, "def") in tokens
     assert (Generic.Inserted, "+") in tokens and (Generic.Deleted, "-") in tokens
-    # Each side is lexed whole: the added docstring's second line is still a string.
+    # The added docstring's second line is still a string.
     assert any(t in String and "on two lines" in value for t, value in tokens)
+
+
+def test_a_hunk_that_starts_inside_a_docstring_keeps_it_a_string(tmp_path, monkeypatch):
+    # Lexed alone, the hunk would start with the docstring's text taken for code, and
+    # its closing quotes would open a string that swallows the code after it.
+    from pygments.token import Keyword, Name, String
+
+    monkeypatch.setattr(guide_code, "ROOT", tmp_path)
+    words = [f"    line {i} of the docstring\n" for i in range(20)]
+    old = ["def f():\n", '    """Summary.\n', *words, '    """\n', "    return 1\n"]
+    new = list(old)
+    new[19] = "    a changed line of the docstring\n"
+    diff, tokens = lex_diff(tmp_path, "".join(old), "".join(new))
+    # The hunk shows the docstring's end, not its start.
+    hunk = diff.split("\n", 3)[3]
+    assert '"""Summary' not in hunk and hunk.count('"""') == 1
+    assert "".join(value for _, value in tokens) == diff
+    assert any(t in String and "changed line" in value for t, value in tokens)
+    assert any(t in String and "line 14 of" in value for t, value in tokens)
+    assert (Keyword, "return") in tokens
+    assert not any(t in Name and value == "line" for t, value in tokens)
+
+
+def test_diff_lexer_refuses_a_diff_not_made_from_the_guides_files():
+    diff = "--- a.py\n+++ b.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n"
+    with pytest.raises(ValueError, match=":diff:"):
+        list(guide_code.PythonDiffLexer().get_tokens(diff))

@@ -8,9 +8,11 @@ and #2986 are open), so this extension does, in three parts:
 
 - the diff is still made by difflib from the two files, as Sphinx makes it, with
   DIFF_CONTEXT lines of context, and each hunk header names the function or class that
-  the change sits in, as `git diff` does;
-- a lexer per language highlights each side of each hunk with the file's own lexer (the
-  old side for removed lines, the new side for the rest) and marks each line's + or -;
+  holds the change (`git diff` names the last one that starts above the hunk, which
+  may have ended before the change);
+- a lexer per language lexes both files whole with the file's own lexer, gives each
+  line of the diff the tokens of its line (the old file's for removed lines, the new
+  file's for the rest), and marks each line's + or -;
 - added and removed lines are Pygments' highlighted lines (`hl_lines`), and the
   stylesheet gives them a green or red background, in light and dark mode.
 
@@ -47,6 +49,7 @@ DEFINITIONS = {
 # Lines split at "\n" only: str.splitlines also splits at \f and \u2028, which
 # would shift the diff's lines against the lexer's.
 LINES = re.compile(r"[^\n]*\n|[^\n]+$")
+HUNK = re.compile(r"@@ -(\d+)(?:,\d+)? \+(\d+)(?:,\d+)? @@")
 PARTIAL_OPTIONS = {
     "pyobject",
     "lines",
@@ -103,18 +106,18 @@ def make_diff(old_path: Path, new_path: Path, language: str, encoding: str) -> s
     names = (str(old_path.relative_to(ROOT)), str(new_path.relative_to(ROOT)))
     lines = list(unified_diff(old, new, *names, n=DIFF_CONTEXT))
     for number, line in enumerate(lines):
-        header = re.match(r"@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@", line)
+        header = HUNK.match(line)
         if not header:
             continue
         # The hunk's first line in the new file, and its first change.
-        first = max(int(header.group(1)) - 1, 0)
+        first = max(int(header[2]) - 1, 0)
         context = 0
         while lines[number + 1 + context].startswith(" "):
             context += 1
         changed = [
             text[1:]
             for text in lines[number + 1 + context :]
-            if text[:1] in "+-" and text[1:].strip()
+            if text[:1] in ("+", "-") and text[1:].strip()
         ][:1]
         level = indent(changed[0]) if changed else 0
         # The definition that holds the first change, unless the hunk already shows it.
@@ -149,9 +152,11 @@ class GuideLiteralInclude(LiteralInclude):
             # The lines after the two file names that start with + or -.
             block["highlight_args"]["hl_lines"] = [
                 number
-                for number, line in enumerate(text.splitlines(), start=1)
-                if number > 2 and line[:1] in "+-"
+                for number, line in enumerate(LINES.findall(text), start=1)
+                if number > 2 and line[:1] in ("+", "-")
             ]
+            # Rebuild the page when the older file changes, as when the newer one does.
+            self.env.note_dependency(self.options["diff"])
             block["classes"].append("code-diff")
         elif PARTIAL_OPTIONS & set(self.options):
             block["classes"].append("code-excerpt")
@@ -161,64 +166,65 @@ class GuideLiteralInclude(LiteralInclude):
 
 
 class CodeDiffLexer(Lexer):
-    """A unified diff whose lines keep the highlighting of the language they are in."""
+    """A diff made by make_diff, whose lines keep the highlighting of their file.
+
+    Each file is lexed whole, as its full-file tab shows it, and each line of the diff
+    takes that line's tokens: a hunk that starts inside a docstring still shows it as a
+    string. The files are found by the paths in the diff's first two lines.
+    """
 
     inner = None  # the language's lexer class
 
     def get_tokens_unprocessed(self, text):
         lines = LINES.findall(text)
-        position, index = 0, 0
-        # The two file names, then hunks: a header and its lines.
-        while index < len(lines) and lines[index].startswith(("--- ", "+++ ")):
-            yield position, Generic.Heading, lines[index]
-            position += len(lines[index])
-            index += 1
-        while index < len(lines):
-            yield position, Generic.Subheading, lines[index]
-            position += len(lines[index])
-            index += 1
-            hunk = []
-            while index < len(lines) and not lines[index].startswith("@@ "):
-                hunk.append(lines[index])
-                index += 1
-            for token_type, value in self.hunk_tokens(hunk):
+        names = [line[4:].rstrip("\n") for line in lines[:2]]
+        heads = [line[:4] for line in lines[:2]]
+        if heads != ["--- ", "+++ "] or not all((ROOT / n).is_file() for n in names):
+            raise ValueError(
+                f"{self.name} shows diffs made by literalinclude's :diff: option, "
+                f"which start by naming two files of the guide, not {lines[:2]}"
+            )
+        old_file, new_file = (self.file_tokens(ROOT / name) for name in names)
+        position = 0
+        for line in lines[:2]:
+            yield position, Generic.Heading, line
+            position += len(line)
+        old = new = 0
+        for line in lines[2:]:
+            if header := HUNK.match(line):
+                # The first line of the hunk in each file.
+                old, new = int(header[1]) - 1, int(header[2]) - 1
+                yield position, Generic.Subheading, line
+                position += len(line)
+                continue
+            marker = line[:1]
+            if marker == "-":
+                marker_type, tokens = Generic.Deleted, old_file[old]
+                old += 1
+            elif marker == "+":
+                marker_type, tokens = Generic.Inserted, new_file[new]
+                new += 1
+            else:
+                marker_type, tokens = Text.Whitespace, new_file[new]
+                old, new = old + 1, new + 1
+            if "".join(value for _, value in tokens) != line[1:]:
+                raise ValueError(f"{line!r} is not the line of {names} it stands for")
+            yield position, marker_type, marker
+            position += 1
+            for token_type, value in tokens:
                 yield position, token_type, value
                 position += len(value)
 
-    def hunk_tokens(self, hunk):
-        """Each side of the hunk lexed as one piece of code, then dealt out by line."""
-        old = [line for line in hunk if line[:1] in (" ", "-")]
-        new = [line for line in hunk if line[:1] in (" ", "+")]
-        old_tokens, new_tokens = self.side_tokens(old), self.side_tokens(new)
-        old_index = new_index = 0
-        for line in hunk:
-            marker = line[:1]
-            if marker == "-":
-                yield Generic.Deleted, "-"
-                yield from old_tokens[old_index]
-                old_index += 1
-            elif marker == "+":
-                yield Generic.Inserted, "+"
-                yield from new_tokens[new_index]
-                new_index += 1
-            elif marker == " ":
-                yield Text.Whitespace, " "
-                yield from new_tokens[new_index]
-                old_index += 1
-                new_index += 1
-
-    def side_tokens(self, side):
-        """The tokens of each line of one side, lexed together so strings span lines."""
-        code = "".join(line[1:] for line in side)
-        per_line = [[] for _ in side]
-        row = 0
+    def file_tokens(self, path: Path) -> list[list[tuple]]:
+        """The tokens of each line of the file, as make_diff reads its lines."""
+        code = "".join(read_lines(path, "utf-8"))
+        per_line = [[]]
         lexer = self.inner(stripnl=False, ensurenl=False)
         for _, token_type, value in lexer.get_tokens_unprocessed(code):
             for piece in LINES.findall(value):
-                if row < len(per_line):
-                    per_line[row].append((token_type, piece))
+                per_line[-1].append((token_type, piece))
                 if piece.endswith("\n"):
-                    row += 1
+                    per_line.append([])
         return per_line
 
 
