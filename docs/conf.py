@@ -20,6 +20,8 @@ html_title = project
 html_favicon = "_static/favicon.svg"
 html_static_path = ["_static"]
 html_css_files = ["guide.css"]
+# Whole files copy with their last newline (see _static/guide.js).
+html_js_files = ["guide.js"]
 # The diff colours, per theme; _static/guide.css applies them. Code is 12 px rather than
 # furo's 13 px, so that an 88-column line and a diff's marker column fit the content
 # column with room to spare in every common monospace font.

@@ -16,22 +16,29 @@ from site_browser import LAPTOP, ROOT, build_site, launch, serve, show_first_dif
 
 
 def take(site: Path, out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
+    """Serves `site` and starts Chromium to take the pictures."""
     with serve(site) as base, sync_playwright() as playwright:
         browser = launch(playwright)
-        for scheme in ("light", "dark"):
-            # furo follows the system's colour scheme until a reader picks one.
-            page = browser.new_page(
-                viewport=LAPTOP, color_scheme=scheme, device_scale_factor=1
-            )
-            show_first_diff(page, base)
-            # The tab set: its labels, then the diff.
-            path = out / f"mila-diff-{scheme}.png"
-            page.locator(".sd-tab-set:has(.code-diff)").first.screenshot(path=path)
-            written.append(path)
-            page.close()
+        written = shoot(browser, base, out)
         browser.close()
+    return written
+
+
+def shoot(browser, base: str, out: Path) -> list[Path]:
+    """The pictures of the site at `base`, light then dark, written into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for scheme in ("light", "dark"):
+        # furo follows the system's colour scheme until a reader picks one.
+        page = browser.new_page(
+            viewport=LAPTOP, color_scheme=scheme, device_scale_factor=1
+        )
+        show_first_diff(page, base)
+        # The tab set: its labels, then the diff.
+        path = out / f"mila-diff-{scheme}.png"
+        page.locator(".sd-tab-set:has(.code-diff)").first.screenshot(path=path)
+        written.append(path)
+        page.close()
     return written
 
 

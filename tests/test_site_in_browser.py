@@ -6,7 +6,9 @@ CI the session installs chromium with apt, as the Slurm tests install Slurm; onl
 developer without root and without chromium skips these tests.
 """
 
+import base64
 import os
+import runpy
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urldefrag, urlparse
@@ -41,6 +43,9 @@ class Visit:
     errors: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
     ids: set[str] = field(default_factory=set)
+    # What the page loads: stylesheets, scripts, images and the favicon.
+    resources: list[str] = field(default_factory=list)
+    icons: list[str] = field(default_factory=list)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +105,13 @@ def visits(site, base, context) -> dict[str, Visit]:
         page.goto(base + name, wait_until="networkidle")
         visit.links = page.eval_on_selector_all("a[href]", "as => as.map(a => a.href)")
         visit.ids = set(page.eval_on_selector_all("[id]", "es => es.map(e => e.id)"))
+        visit.resources = page.eval_on_selector_all(
+            "link[href]:not([rel=canonical]), script[src], img[src]",
+            "es => es.map(e => e.href || e.src)",
+        )
+        visit.icons = page.eval_on_selector_all(
+            "link[rel~=icon]", "es => es.map(e => e.href)"
+        )
         page.close()
         page = context.new_page()
     page.close()
@@ -130,6 +142,18 @@ def test_every_internal_link_and_anchor_resolves(site, base, visits):
     assert checked > 100
 
 
+def test_every_page_has_a_favicon_and_what_it_loads_is_served(base, context, visits):
+    # A browser may or may not ask for the favicon while a test watches: fetch it, and
+    # every stylesheet, script and image, whatever the browser did.
+    assert all(visit.icons for visit in visits.values())
+    served = {url for visit in visits.values() for url in visit.resources}
+    for url in sorted(served):
+        if url.startswith(base):
+            assert context.request.get(url).ok, url
+    print(f"{len(served)} resources checked")
+    assert any(url.endswith("favicon.svg") for url in served)
+
+
 def code_blocks(page, kind: str):
     return page.locator(f"div.{kind}")
 
@@ -149,12 +173,15 @@ def test_each_full_file_shows_its_file_and_copies_its_exact_bytes(site, base, co
     copied = 0
     for name in pages(site):
         page.goto(base + name)
+        # furo scrolls smoothly, and Playwright waits for each scroll to end before it
+        # hovers or clicks: most of this test's time, until scrolls are instant.
+        page.add_style_tag(content="* { scroll-behavior: auto !important; }")
         blocks = code_blocks(page, "code-file")
         for index in range(blocks.count()):
             block = blocks.nth(index)
             wrapper = block.locator("xpath=..")
             path = wrapper.locator(".caption-text").inner_text()
-            expected = (ROOT / path).read_text()
+            expected = (ROOT / path).read_bytes().decode()
             open_tab_of(block)
             assert block.is_visible(), f"{name}: the tab of {path} does not show it"
             shown = block.locator("pre").inner_text()
@@ -162,10 +189,14 @@ def test_each_full_file_shows_its_file_and_copies_its_exact_bytes(site, base, co
             page.evaluate("navigator.clipboard.writeText('')")
             block.hover()
             block.locator("button.copybtn").click()
-            clipboard = page.evaluate("navigator.clipboard.readText()")
-            # sphinx-copybutton drops the last newline on purpose, so that a pasted
-            # command does not run before the reader presses Enter.
-            assert clipboard + "\n" == expected, f"{name}: the copy of {path} differs"
+            # sphinx-copybutton copies the file less its last newline; guide.js then
+            # writes the whole file, which takes a moment.
+            for _ in range(50):
+                clipboard = page.evaluate("navigator.clipboard.readText()")
+                if clipboard == expected:
+                    break
+                page.wait_for_timeout(20)
+            assert clipboard == expected, f"{name}: the copy of {path} differs"
             copied += 1
     page.close()
     print(f"{copied} copy buttons checked")
@@ -178,11 +209,15 @@ def test_one_line_commands_copy_as_one_line(site, base, context):
     page.goto(base + "index.html")
     block = page.locator("div.highlight-bash:not(.code-file) pre").first
     text = block.inner_text().strip()
-    style = block.evaluate(
-        "p => [getComputedStyle(p).whiteSpace, p.clientHeight,"
-        " parseFloat(getComputedStyle(p).lineHeight)]"
+    white_space, rows = block.evaluate(
+        """p => {
+            const style = getComputedStyle(p);
+            const height = p.clientHeight - parseFloat(style.paddingTop)
+                - parseFloat(style.paddingBottom);
+            return [style.whiteSpace, height / parseFloat(style.lineHeight)];
+        }"""
     )
-    assert style[0] == "pre-wrap" and style[1] > 2 * style[2], f"no wrap: {style}"
+    assert white_space == "pre-wrap" and rows >= 2, f"no wrap: {white_space}, {rows}"
     page.evaluate("navigator.clipboard.writeText('')")
     block.hover()
     block.locator("xpath=..").locator("button.copybtn").click()
@@ -288,13 +323,26 @@ def test_no_code_scrolls_sideways_at_laptop_width(site, base, browser, width):
 
 
 def test_no_page_overflows_a_phone(site, base, browser):
+    # Below 768 px furo lets the article scroll sideways inside the page, so the
+    # document's width alone would not show a line of text that is too wide. Code
+    # blocks and tables may scroll inside themselves: 88 columns do not fit a phone.
     page = browser.new_page(viewport={"width": 400, "height": 800})
     wide = {}
     for name in pages(site):
         page.goto(base + name)
-        width = page.evaluate("document.documentElement.scrollWidth")
-        if width > 400:
-            wide[name] = width
+        found = page.evaluate(
+            """() => {
+                const content = document.querySelector('.content');
+                const beyond = [...document.querySelectorAll('article *')]
+                    .filter(e => !e.closest('div.highlight, .table-wrapper'))
+                    .filter(e => e.getBoundingClientRect().right > innerWidth + 0.5)
+                    .map(e => `${e.tagName}: ${e.textContent.slice(0, 40)}`);
+                return [document.documentElement.scrollWidth,
+                        content.scrollWidth - content.clientWidth, ...beyond];
+            }"""
+        )
+        if found[0] > 400 or found[1] > 0 or found[2:]:
+            wide[name] = found
     page.close()
     assert not wide
 
@@ -370,3 +418,57 @@ def test_diff_lines_are_green_and_red_and_their_code_stays_readable(
     page.close()
     assert checked > 300
     assert min(weakest.values()) >= TOKEN_CONTRAST, weakest
+
+
+def pixels(page, png: Path) -> dict:
+    """The size of a PNG, its mean luminance, and how many pixels have each colour."""
+    data = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+    return page.evaluate(
+        """async data => {
+            const image = new Image();
+            image.src = data;
+            await image.decode();
+            const canvas = document.createElement('canvas');
+            [canvas.width, canvas.height] = [image.width, image.height];
+            const context = canvas.getContext('2d');
+            context.drawImage(image, 0, 0);
+            const rgba = context.getImageData(0, 0, image.width, image.height).data;
+            const counts = {};
+            let sum = 0;
+            for (let i = 0; i < rgba.length; i += 4) {
+                const hex = '#' + [0, 1, 2].map(
+                    c => rgba[i + c].toString(16).padStart(2, '0')).join('');
+                counts[hex] = (counts[hex] || 0) + 1;
+                sum += (0.2126 * rgba[i] + 0.7152 * rgba[i + 1]
+                        + 0.0722 * rgba[i + 2]) / 255;
+            }
+            return {width: image.width, height: image.height,
+                    mean: sum / (rgba.length / 4), counts};
+        }""",
+        data,
+    )
+
+
+def test_screenshots_show_the_first_diff_in_each_theme(base, browser, tmp_path):
+    import screenshots
+
+    options = runpy.run_path(str(ROOT / "docs" / "conf.py"))["html_theme_options"]
+    shots = screenshots.shoot(browser, base, tmp_path)
+    assert [shot.name for shot in shots] == [
+        "mila-diff-light.png",
+        "mila-diff-dark.png",
+    ]
+    page = browser.new_page()
+    light, dark = (pixels(page, shot) for shot in shots)
+    page.close()
+    assert light["mean"] > 0.8 and dark["mean"] < 0.2, (light["mean"], dark["mean"])
+    for picture, scheme in [(light, "light"), (dark, "dark")]:
+        colours = options[f"{scheme}_css_variables"]
+        # The picture holds the diff: some lines on each of its backgrounds.
+        for kind in ("added", "removed"):
+            background = colours[f"color-diff-{kind}"]
+            assert picture["counts"].get(background, 0) >= 5 * picture["width"], (
+                scheme,
+                kind,
+            )
+        assert picture["width"] <= LAPTOP["width"] and picture["height"] > 300
