@@ -454,7 +454,10 @@ def test_a_site_without_scratch_stops_before_srun(lab, tmp_path):
         lab, name, *EXAMPLES[name].args, workdir=tmp_path, site="no_scratch"
     )
     job = timed_job(lab, job_id, tmp_path, "no $SCRATCH")
-    assert "SCRATCH: is not set: set it, or this line, to shared storage" in job.output
+    assert (
+        "SCRATCH: is not set: set it, or this line, to shared storage outliving jobs"
+        in job.output
+    )
     assert "Running on" not in job.output
 
 

@@ -31,8 +31,8 @@ fi
 # One task on one node runs torchrun, which starts a process per GPU of the node.
 # --standalone: a rendezvous on this node only, on a free
 # port; enough for a single node.
-# --cpus-per-task: each task gets the CPUs per task that the
-# job asked for, for its DataLoader workers. Slurm 23.11 and
-# later pass them on to srun unasked; 22.05 to 23.02 do not.
+# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
+# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05
+# to 23.02 do not.
 srun --cpus-per-task="$SLURM_CPUS_PER_TASK" \
     torchrun --standalone --nproc-per-node="$SLURM_GPUS_ON_NODE" main.py "$@"

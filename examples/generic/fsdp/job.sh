@@ -37,7 +37,7 @@ source "$HOME/venvs/ddp/bin/activate"
 # --- Site-specific: storage that outlives the job and that every node sees ------------
 # Every rank writes its own shard of each checkpoint here:
 # a node's own disk would scatter them.
-storage=${SCRATCH:?"is not set: set it, or this line, to shared storage"}
+storage=${SCRATCH:?"is not set: set it, or this line, to shared storage outliving jobs"}
 export CHECKPOINT_DIR=$storage/checkpoints/$SLURM_JOB_NAME
 # Fail now rather than at the first save, an epoch into training.
 if ! mkdir -p "$CHECKPOINT_DIR" || [[ ! -w $CHECKPOINT_DIR ]]; then
@@ -52,9 +52,9 @@ export MASTER_ADDR=${nodes[0]}
 export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 # One task per GPU on every node (--ntasks-per-node = GPUs per node), each holding a
 # shard of the model. A checkpoint resumes on another number of tasks or nodes.
-# --cpus-per-task: each task gets the CPUs per task that the
-# job asked for, for its DataLoader workers. Slurm 23.11 and
-# later pass them on to srun unasked; 22.05 to 23.02 do not.
+# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
+# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05
+# to 23.02 do not.
 # --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
 # otherwise wait for it in their next collective until a timeout.
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@"

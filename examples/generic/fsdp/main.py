@@ -72,8 +72,10 @@ def parse_args(argv=None):
     parser.add_argument(
         "--data-file",
         type=Path,
-        help="train on this file of token ids (uint16, one after the other, as "
-        "nanoGPT's prepare scripts write them) instead of synthetic sequences",
+        help=(
+            "train on this file of token ids (uint16, one after the other, as "
+            "nanoGPT's prepare scripts write them) instead of synthetic sequences"
+        ),
     )
     # The model's sizes. The defaults make about 34 million parameters.
     parser.add_argument("--vocab-size", type=int, default=8192)
@@ -88,8 +90,10 @@ def parse_args(argv=None):
         "--checkpoint-dir",
         type=Path,
         default=Path(os.environ.get("CHECKPOINT_DIR", "checkpoints")),
-        help="shared storage that outlives the job and that every node sees "
-        "(default: $CHECKPOINT_DIR, set by job.sh)",
+        help=(
+            "shared storage that outlives the job and that every node sees "
+            "(default: $CHECKPOINT_DIR, set by job.sh)"
+        ),
     )
     parser.add_argument(
         "--max-restarts",

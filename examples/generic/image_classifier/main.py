@@ -74,8 +74,10 @@ def main():
         "--data-dir",
         type=Path,
         default=os.environ.get("DATA_DIR"),
-        help="a folder with train/ and val/, one subfolder per class "
-        "(default: $DATA_DIR)",
+        help=(
+            "a folder with train/ and val/, one subfolder per class "
+            "(default: $DATA_DIR)"
+        ),
     )
     parser.add_argument(
         "--synthetic-data",
@@ -114,8 +116,10 @@ def main():
         type=positive,
         metavar="N",
         default=None,
-        help="time N batches of the input pipeline, then N training steps, "
-        "instead of training",
+        help=(
+            "time N batches of the input pipeline, then N training steps, "
+            "instead of training"
+        ),
     )
     args = parser.parse_args()
 

@@ -56,9 +56,9 @@ echo "Rendezvous at $head_node:$port"
 
 # One torchrun per node, each starting one process per GPU of its node.
 # Arguments after `sbatch job.sh` reach main.py, e.g. `sbatch job.sh --epochs 1`.
-# --cpus-per-task: each task gets the CPUs per task that the
-# job asked for, for its DataLoader workers. Slurm 23.11 and
-# later pass them on to srun unasked; 22.05 to 23.02 do not.
+# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
+# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05
+# to 23.02 do not.
 # --kill-on-bad-exit: if one node's torchrun fails, end the others at once.
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" torchrun \
     --nnodes="$SLURM_JOB_NUM_NODES" \

@@ -57,8 +57,10 @@ def main():
         "--num-workers",
         type=int,
         default=None,
-        help="DataLoader workers per process "
-        "(default: the task's CPUs shared by its processes)",
+        help=(
+            "DataLoader workers per process "
+            "(default: the task's CPUs shared by its processes)"
+        ),
     )
     args = parser.parse_args()
 

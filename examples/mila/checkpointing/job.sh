@@ -41,7 +41,7 @@ module load anaconda/3
 conda activate pytorch
 
 # --- Mila: checkpoints go to $SCRATCH: it outlives the job, and every node sees it ----
-storage=${SCRATCH:?"is not set: set it, or this line, to shared storage"}
+storage=${SCRATCH:?"is not set: set it, or this line, to shared storage outliving jobs"}
 export CHECKPOINT_DIR=$storage/checkpoints/$SLURM_JOB_NAME
 # Fail now rather than at the first save, an epoch into training.
 if ! mkdir -p "$CHECKPOINT_DIR" || [[ ! -w $CHECKPOINT_DIR ]]; then
@@ -68,9 +68,9 @@ export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 # srun starts one task per GPU on every node, each with its own SLURM_PROCID. Arguments
 # after `sbatch job.sh` reach main.py, as in a trial run, under a name of its own:
 # `sbatch --job-name=trial job.sh --synthetic-data --max-steps 50`.
-# --cpus-per-task: each task gets the CPUs per task that the
-# job asked for, for its DataLoader workers. Slurm 23.11 and
-# later pass them on to srun unasked; 22.05 to 23.02 do not.
+# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
+# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05
+# to 23.02 do not.
 # --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
 # otherwise wait for it in their next collective until a timeout.
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@"

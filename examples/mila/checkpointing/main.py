@@ -93,8 +93,10 @@ def main():
         "--checkpoint-dir",
         type=Path,
         default=Path(os.environ.get("CHECKPOINT_DIR", "checkpoints")),
-        help="shared storage that outlives the job "
-        "(default: $CHECKPOINT_DIR, set by job.sh)",
+        help=(
+            "shared storage that outlives the job "
+            "(default: $CHECKPOINT_DIR, set by job.sh)"
+        ),
     )
     parser.add_argument(
         "--max-restarts",

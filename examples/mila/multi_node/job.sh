@@ -43,9 +43,9 @@ export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 
 # srun starts one task per GPU on every node, each with its own SLURM_PROCID. Arguments
 # after `sbatch job.sh` reach main.py: `sbatch job.sh --synthetic-data --max-steps 50`.
-# --cpus-per-task: each task gets the CPUs per task that the
-# job asked for, for its DataLoader workers. Slurm 23.11 and
-# later pass them on to srun unasked; 22.05 to 23.02 do not.
+# --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
+# DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05
+# to 23.02 do not.
 # --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
 # otherwise wait for it in their next collective until a timeout.
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@"
