@@ -477,7 +477,7 @@ set -e
 if [ -e /{INSIDE_MARK} ]; then exec "$@"; fi  # already inside, as a job's srun is
 exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh -c '
     if ! cd "$0" 2>/dev/null; then
-        echo "slurm_lab: $0 is not visible inside {self.root}:" \
+        echo "slurm_lab: $0 is not visible inside {self.root}:" \\
             "run from the project or /tmp" >&2
         exit 1
     fi
