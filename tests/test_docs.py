@@ -193,7 +193,42 @@ def test_a_hunk_that_starts_inside_a_docstring_keeps_it_a_string(tmp_path, monke
     assert not any(t in Name and value == "line" for t, value in tokens)
 
 
-def test_diff_lexer_refuses_a_diff_not_made_from_the_guides_files():
+def test_diff_lexer_marks_a_diff_not_made_from_the_guides_files_an_error():
+    # Sphinx reports an error token with the block's place, and -W fails the build.
+    from pygments.token import Error
+
     diff = "--- a.py\n+++ b.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n"
-    with pytest.raises(ValueError, match=":diff:"):
-        list(guide_code.PythonDiffLexer().get_tokens(diff))
+    tokens = list(guide_code.PythonDiffLexer().get_tokens(diff))
+    assert [token for token, _ in tokens] == [Error]
+
+
+def test_a_page_authors_slips_are_reported_with_their_place(tmp_path, monkeypatch):
+    # An empty diff, and a hand-written diff given the diff lexer: warnings that name
+    # the page and line, which -W turns into a failed build, not a traceback.
+    import io
+
+    from sphinx.application import Sphinx
+
+    monkeypatch.setattr(guide_code, "ROOT", tmp_path)
+    (tmp_path / "conf.py").write_text('extensions = ["guide_code"]\n')
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("x = 1\n")
+    (tmp_path / "index.rst").write_text(
+        "Title\n=====\n\n"
+        ".. literalinclude:: b.py\n   :diff: a.py\n\n"
+        ".. code-block:: diff-python\n\n   -x = 1\n   +x = 2\n"
+    )
+    warnings = io.StringIO()
+    build = tmp_path / "_build"
+    app = Sphinx(
+        tmp_path, tmp_path, build, build / "doctrees", "html", warning=warnings
+    )
+    app.build()
+    text = warnings.getvalue()
+    assert (
+        f"index.rst:4: WARNING: {tmp_path}/a.py and {tmp_path}/b.py are the same"
+        in text
+    )
+    assert (
+        "index.rst:7: WARNING: Lexing literal_block" in text and "diff-python" in text
+    )

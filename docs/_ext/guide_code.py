@@ -28,7 +28,7 @@ from pathlib import Path
 from docutils import nodes
 from pygments.lexer import Lexer
 from pygments.lexers import BashLexer, PythonLexer, TextLexer
-from pygments.token import Generic, Text
+from pygments.token import Error, Generic, Text
 from sphinx.directives.code import LiteralInclude
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +57,11 @@ PARTIAL_OPTIONS = {
     "end-before",
     "start-at",
     "end-at",
+    # Not partial, but not the file's bytes either.
+    "dedent",
+    "prepend",
+    "append",
+    "tab-width",
 }
 
 
@@ -138,6 +143,9 @@ class GuideLiteralInclude(LiteralInclude):
         block = next(
             iter(n for r in result for n in r.findall(nodes.literal_block)), None
         )
+        if "diff" in self.options:
+            # Rebuild the page when the older file changes, as when the newer one does.
+            self.env.note_dependency(self.options["diff"])
         if block is None:  # a warning node: the file is missing, say
             return result
         language = self.options.get("language", LANGUAGES.get(path.suffix))
@@ -146,6 +154,13 @@ class GuideLiteralInclude(LiteralInclude):
         if "diff" in self.options:
             encoding = self.options.get("encoding", self.config.source_encoding)
             text = make_diff(Path(self.options["diff"]), path, language, encoding)
+            if not text:
+                return [
+                    self.state.document.reporter.warning(
+                        f"{self.options['diff']} and {path} are the same: no diff",
+                        line=self.lineno,
+                    )
+                ]
             block.children = [nodes.Text(text)]
             block.rawsource = text
             block["language"] = f"diff-{language}"
@@ -155,8 +170,6 @@ class GuideLiteralInclude(LiteralInclude):
                 for number, line in enumerate(LINES.findall(text), start=1)
                 if number > 2 and line[:1] in ("+", "-")
             ]
-            # Rebuild the page when the older file changes, as when the newer one does.
-            self.env.note_dependency(self.options["diff"])
             block["classes"].append("code-diff")
         elif PARTIAL_OPTIONS & set(self.options):
             block["classes"].append("code-excerpt")
@@ -180,10 +193,10 @@ class CodeDiffLexer(Lexer):
         names = [line[4:].rstrip("\n") for line in lines[:2]]
         heads = [line[:4] for line in lines[:2]]
         if heads != ["--- ", "+++ "] or not all((ROOT / n).is_file() for n in names):
-            raise ValueError(
-                f"{self.name} shows diffs made by literalinclude's :diff: option, "
-                f"which start by naming two files of the guide, not {lines[:2]}"
-            )
+            # Not a diff that literalinclude's :diff: made from two files of the guide:
+            # an error token, which Sphinx reports with the block's place.
+            yield 0, Error, text
+            return
         old_file, new_file = (self.file_tokens(ROOT / name) for name in names)
         position = 0
         for line in lines[:2]:
@@ -208,7 +221,8 @@ class CodeDiffLexer(Lexer):
                 marker_type, tokens = Text.Whitespace, new_file[new]
                 old, new = old + 1, new + 1
             if "".join(value for _, value in tokens) != line[1:]:
-                raise ValueError(f"{line!r} is not the line of {names} it stands for")
+                # The files changed since the diff was made, or were read otherwise.
+                tokens = [(Error, line[1:])]
             yield position, marker_type, marker
             position += 1
             for token_type, value in tokens:
@@ -217,7 +231,8 @@ class CodeDiffLexer(Lexer):
 
     def file_tokens(self, path: Path) -> list[list[tuple]]:
         """The tokens of each line of the file, as make_diff reads its lines."""
-        code = "".join(read_lines(path, "utf-8"))
+        # Sphinx's default source_encoding, as make_diff reads the files.
+        code = "".join(read_lines(path, "utf-8-sig"))
         per_line = [[]]
         lexer = self.inner(stripnl=False, ensurenl=False)
         for _, token_type, value in lexer.get_tokens_unprocessed(code):

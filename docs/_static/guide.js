@@ -11,6 +11,9 @@ document.addEventListener("click", (event) => {
     .find((element) => element.matches?.(".code-file .copybtn"));
   const pre = button?.parentElement.querySelector("pre");
   if (pre && navigator.clipboard) {
-    navigator.clipboard.writeText(pre.textContent).catch(() => {});
+    // Without what conf.py's copybutton_exclude leaves out: line numbers, prompts.
+    const text = pre.cloneNode(true);
+    text.querySelectorAll(".linenos, .gp").forEach((node) => node.remove());
+    navigator.clipboard.writeText(text.textContent).catch(() => {});
   }
 });
