@@ -1,13 +1,11 @@
 #!/bin/bash
-#SBATCH --job-name=image_classifier
-#SBATCH --nodes=2
+#SBATCH --job-name=multi_gpu
+#SBATCH --nodes=1
 #SBATCH --ntasks-per-node=4
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=8
 #SBATCH --mem=128G
-#SBATCH --time=12:00:00
-# This step saves no checkpoint: training must end within --time. Step 6 (checkpointing)
-# adds saving, resuming and requeueing, for runs longer than a job may last.
+#SBATCH --time=04:00:00
 # --- Site-specific #SBATCH lines: remove a "#" to use one -----------------------------
 # (values: see "Adapt it to your cluster" in the guide)
 ##SBATCH --partition=gpu
@@ -24,7 +22,7 @@ set -e
 # compute capability 7.5 (Turing) or newer.
 # shellcheck source=/dev/null
 source "$HOME/venvs/ddp/bin/activate"
-# A folder with train/ and val/, one subfolder of images per class, on storage every
+# A folder with train/ and val/, one subfolder of images per class, on storage the
 # node reads. main.py reads DATA_DIR; `sbatch job.sh --synthetic-data` needs none.
 export DATA_DIR=$SCRATCH/data/imagenet
 
@@ -32,8 +30,8 @@ export DATA_DIR=$SCRATCH/data/imagenet
 scontrol show job "$SLURM_JOB_ID"
 # NCCL_DEBUG=WARN logs NCCL's warnings and errors only; INFO logs the network and GPU
 # links it picks at start, to debug a slow or hanging job. PYTHONFAULTHANDLER=1 prints
-# each thread's Python stack when a process dies of a fatal signal, such as the abort by
-# which NCCL's watchdog ends a collective that timed out: a hang that ends that way
+# each thread's Python stack when a process dies of a fatal signal, such as the abort
+# by which NCCL's watchdog ends a collective that timed out: a hang that ends that way
 # shows where. (SIGTERM and SIGKILL print nothing.)
 export NCCL_DEBUG=WARN
 export PYTHONFAULTHANDLER=1
@@ -41,14 +39,15 @@ export PYTHONFAULTHANDLER=1
 # thread each keeps them from crowding the task's CPUs.
 export OMP_NUM_THREADS=1
 
-# Where the processes meet: the job's first node, on a port derived from the job ID so
-# that jobs sharing a node do not collide.
-mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
-export MASTER_ADDR=${nodes[0]}
+# Where the processes meet to form the process group: this node, on a port derived
+# from the job ID, so that two jobs sharing a node do not pick the same one.
+# 10000-19999 is below the range the kernel hands out to outgoing connections.
+export MASTER_ADDR=127.0.0.1
 export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
-# One task per GPU on every node (--ntasks-per-node = GPUs per node), each a DDP
-# process. Arguments after `sbatch job.sh` reach main.py:
-# `sbatch job.sh --synthetic-data --max-steps 200`.
+
+# srun starts one task per GPU (--ntasks-per-node above), each a process of the group.
+# Arguments after `sbatch job.sh` reach main.py:
+# `sbatch job.sh --synthetic-data --max-steps 50`.
 # --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
 # DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05
 # to 23.02 do not.

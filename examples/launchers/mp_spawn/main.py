@@ -1,0 +1,616 @@
+"""Step 2, launched by the script itself: torch.multiprocessing.spawn, on one node.
+
+`python main.py` starts one process per GPU of the node, with no launcher. Each child
+takes the variables that torchrun would give it, so that setup() finds its place; then
+it trains as step 2 does. mp.spawn only starts processes on the machine it runs on:
+for several nodes, use srun or torchrun.
+
+Try the job before the data is in place:
+`sbatch job.sh --synthetic-data --max-steps 50`.
+"""
+
+import argparse
+import gc
+import json
+import logging
+import math
+import multiprocessing
+import os
+import socket
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import models, transforms
+from torchvision.datasets import ImageFolder
+
+log = logging.getLogger(__name__)
+
+
+# ---- Your model and data: replace these for your own task ----------------------------
+
+
+def build_model(args, num_classes: int) -> nn.Module:
+    """The network to train: any torchvision model, by name."""
+    return models.get_model(args.model, num_classes=num_classes)
+
+
+def make_datasets(args) -> tuple[Dataset, Dataset, int]:
+    """The training and validation sets, and the number of classes.
+
+    Any map-style Dataset works whose items to_device() takes apart.
+    """
+    if args.synthetic_data:
+        size, classes = args.synthetic_size, args.synthetic_classes
+        train = SyntheticImages(size, classes, args.image_size, first_seed=0)
+        valid = SyntheticImages(max(size // 50, 1), classes, args.image_size, size)
+        return train, valid, classes
+    check_dataset(args.data_dir)
+    normalize = transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    train = ImageFolder(
+        args.data_dir / "train",
+        transforms.Compose(
+            [
+                transforms.RandomResizedCrop(args.image_size),
+                transforms.RandomHorizontalFlip(),
+                transforms.ToTensor(),
+                normalize,
+            ]
+        ),
+    )
+    valid = ImageFolder(
+        args.data_dir / "val",
+        transforms.Compose(
+            [
+                # 256/224: the usual margin cropped away around the centre.
+                transforms.Resize(args.image_size * 8 // 7),
+                transforms.CenterCrop(args.image_size),
+                transforms.ToTensor(),
+                normalize,
+            ]
+        ),
+    )
+    if train.classes != valid.classes:
+        raise SystemExit(
+            f"error: {args.data_dir}/train and {args.data_dir}/val have different "
+            f"class folders ({len(train.classes)} and {len(valid.classes)}): labels "
+            "would not match."
+        )
+    return train, valid, len(train.classes)
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    """The loss to minimise: a mean over the batch's samples."""
+    return F.cross_entropy(output, target)
+
+
+def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A batch of the loader, as (the model's input, the target), on the device."""
+    inputs, target = batch
+    # non_blocking: from pinned memory (step 5), the copy overlaps the GPU's work.
+    return inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
+
+
+def correct(output: Tensor, target: Tensor) -> Tensor:
+    """The validation metric, summed over the batch: right predictions."""
+    return output.argmax(-1).eq(target).sum()
+
+
+class SyntheticImages(Dataset):
+    """Random images of the real data's shape after its
+    transforms: 3 x size x size, normalized.
+
+    Each class has its own tint, so the loss falls as in a real run. Image `i` comes
+    from its own seed: the same in every epoch and every process.
+    """
+
+    def __init__(self, length: int, classes: int, size: int, first_seed: int):
+        self.length, self.classes, self.size = length, classes, size
+        self.first_seed = first_seed
+        tints = torch.Generator().manual_seed(0)
+        self.tints = torch.randn(classes, 3, 1, 1, generator=tints)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index: int):
+        label = index % self.classes
+        generator = torch.Generator().manual_seed(self.first_seed + index)
+        noise = torch.randn(3, self.size, self.size, generator=generator)
+        return 0.5 * noise + self.tints[label], label
+
+
+def check_dataset(data_dir: Path | None):
+    """Stops with a clear message when the dataset is not where main.py looks for it."""
+    if data_dir is None:
+        raise SystemExit(
+            "error: no dataset given: set DATA_DIR in job.sh or pass --data-dir.\n"
+            "To try the job without a dataset, add --synthetic-data."
+        )
+    missing = [sub for sub in ("train", "val") if not (data_dir / sub).is_dir()]
+    if missing:
+        raise SystemExit(
+            f"error: {data_dir} has no {' or '.join(missing)} folder. The dataset must "
+            "be laid out as train/<class>/<image> and val/<class>/<image>; check "
+            "DATA_DIR in job.sh (and the variables it is made of, such as $SCRATCH), "
+            "or pass --data-dir.\nTo try the job without a dataset, add "
+            "--synthetic-data."
+        )
+
+
+# ---- Training ------------------------------------------------------------------------
+
+
+def main():
+    args = parse_args()
+    # The children meet at a store that this process serves on the loopback address.
+    # Port 0 lets the kernel pick a free port as the store binds it, and this process
+    # holds it until the end: no other job can take it between the choice and the use.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # spawn calls train_process(i, ...) in each new process. If one fails, spawn ends
+    # the others and raises here: the job fails instead of hanging.
+    mp.spawn(train_process, (args, store.port), nprocs=args.nprocs, join=True)
+
+
+def train_process(local_rank: int, args, port: int):
+    """One spawned process: step 2's main(), with torchrun's variables set first."""
+    world = str(args.nprocs)
+    os.environ.update(
+        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=world,
+        LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        # Connect to the parent's store, as torchrun's processes connect to its own.
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )  # fmt: skip
+    place = setup()
+    device = get_device(place.local_rank)
+    # Plain lines with a time stamp: a batch job's output is a file.
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [{place.rank}/{place.world_size}] %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    log.info(f"Running on {socket.gethostname()}, device {device}")
+    # From here on, only rank 0 logs: every process holds the same numbers.
+    log.setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
+
+    train_set, valid_set, num_classes = make_datasets(args)
+    # DDP copies rank 0's initial weights to all: the seed matters on rank 0 only.
+    torch.manual_seed(args.seed)
+    model = build_model(args, num_classes).to(device)
+    # DDP averages the gradients over the processes in backward(), so that every copy
+    # of the model takes the same step. `model.module` is the model inside.
+    model = DistributedDataParallel(
+        model, device_ids=[device] if device.type == "cuda" else None
+    )
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    loaders = make_loaders(args, train_set, valid_set, place)
+    scheduler = make_scheduler(args, optimizer, len(loaders[0]))
+    global_batch = args.batch_size * place.world_size
+    log.info(f"Global batch: {args.batch_size} x {place.world_size} = {global_batch}")
+    progress, train_log = Progress(), TrainLog(device)
+    train(args, model, optimizer, scheduler, loaders, progress, train_log)
+    # One plain line per process to grep from the job's output: the numbers agree.
+    summary = {
+        "rank": place.rank,
+        "world_size": place.world_size,
+        "host": socket.gethostname(),
+        **asdict(progress),
+    }
+    print(f"summary: {json.dumps(summary)}", flush=True)
+    # DDP's model sits in reference cycles that keep the process group alive: collect
+    # them while Python can still run the group's threads down cleanly.
+    del model
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=positive, default=90)
+    parser.add_argument("--batch-size", type=positive, default=128, help="per process")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument(
+        "--warmup-steps", type=positive, default=500, help="in optimizer steps"
+    )
+    parser.add_argument("--weight-decay", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-steps", type=positive, default=None, help="stop after this many"
+    )
+    parser.add_argument(
+        "--log-every", type=positive, default=50, help="steps between log lines"
+    )
+    parser.add_argument("--model", default="resnet50", help="a torchvision model name")
+    parser.add_argument("--image-size", type=positive, default=224)
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=os.environ.get("DATA_DIR"),
+        help=(
+            "a folder with train/ and val/, one subfolder per class "
+            "(default: $DATA_DIR)"
+        ),
+    )
+    parser.add_argument(
+        "--synthetic-data",
+        action="store_true",
+        help="train on random images of the same shape instead of the dataset",
+    )
+    parser.add_argument("--synthetic-size", type=positive, default=100_000)
+    parser.add_argument("--synthetic-classes", type=positive, default=1000)
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="DataLoader workers per process (default: its CPUs, less one)",
+    )
+    parser.add_argument(
+        "--nprocs",
+        type=positive,
+        default=max(torch.cuda.device_count(), 1),
+        help="processes to start (default: one per GPU of this node)",
+    )
+    return parser.parse_args(argv)
+
+
+def positive(text: str) -> int:
+    """An argument that must be a whole number above zero,
+    or argparse stops with the reason."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+@dataclass
+class Progress:
+    """Where training stands, and the numbers the summary reports."""
+
+    epoch: int = 0  # the epoch under way; at the end, the number done
+    steps: int = 0  # optimizer steps taken in all
+    first_loss: float | None = None  # the mean loss of the first log line
+    last_loss: float | None = None  # and of the last
+    val_loss: float | None = None  # the last validation's results
+    val_accuracy: float | None = None
+    val_samples: int | None = None
+
+
+def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
+    """The DataLoaders: workers load and transform batches while the GPU computes."""
+    # Workers start from a fork server, a clean process, not by fork() of this one,
+    # whose process group runs threads. On Python up to 3.11.9, a fork while one of
+    # them holds the interpreter's lock leaves the worker deadlocked (gh-112275).
+    # The server imports torch once; its workers start at once.
+    multiprocessing.set_start_method("forkserver", force=True)
+    multiprocessing.set_forkserver_preload(["torch", "torchvision"])
+    workers = get_num_workers() if args.num_workers is None else args.num_workers
+    options = {
+        "batch_size": args.batch_size,
+        "num_workers": workers,
+        # Workers that stay from one epoch to the next keep their copy of the
+        # dataset: no new ones start, each copying it again, at every epoch.
+        "persistent_workers": workers > 0,
+    }
+    # Each process trains on its own 1/world_size of every epoch, shuffled by the
+    # sampler. It pads the shares with repeated samples to make them equal.
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    # Each process seeds its own workers: with one seed everywhere, a random
+    # augmentation would draw the same numbers in every process.
+    train_loader = DataLoader(
+        train_set,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed + place.rank),
+        **options,
+    )
+    # Validation counts each sample once: every world_size-th
+    # sample, from the rank on, with no padding.
+    shard = range(place.rank, len(valid_set), place.world_size)
+    valid_loader = DataLoader(Subset(valid_set, shard), shuffle=False, **options)
+    if len(train_loader) == 0:
+        raise SystemExit(
+            f"error: {len(train_set)} training samples make no batch of "
+            f"{args.batch_size}. Lower --batch-size."
+        )
+    return train_loader, valid_loader
+
+
+def make_scheduler(args, optimizer, steps_per_epoch: int):
+    """A learning rate that rises linearly over --warmup-steps, then decays to zero
+    along a cosine, by the end of training."""
+    total = args.epochs * steps_per_epoch
+    total = total if args.max_steps is None else min(total, args.max_steps)
+    warmup = args.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        done = (step - warmup) / max(total - warmup, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train(args, model, optimizer, scheduler, loaders, progress, train_log):
+    """Trains for --epochs, or --max-steps, and validates after every epoch."""
+    train_loader, valid_loader = loaders
+    device = next(model.parameters()).device
+    max_steps = math.inf if args.max_steps is None else args.max_steps
+    while progress.epoch < args.epochs and progress.steps < max_steps:
+        # Without set_epoch, the sampler would shuffle every epoch the same way.
+        train_loader.sampler.set_epoch(progress.epoch)
+        model.train()
+        for batch in train_loader:
+            if progress.steps == max_steps:
+                break
+            inputs, target = to_device(batch, device)
+            loss = loss_fn(model(inputs), target)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            progress.steps += 1
+            train_log.add(loss)
+            if progress.steps % args.log_every == 0:
+                log_line(progress, train_log, scheduler)
+        if train_log.steps:  # the steps since the last line, at the epoch's end
+            log_line(progress, train_log, scheduler)
+        log.info(f"Epoch {progress.epoch}: validation")
+        results = validate(model.module, valid_loader, device)
+        for name, value in results.items():
+            setattr(progress, name, value)
+        log.info(
+            f"Epoch {progress.epoch}: val loss {progress.val_loss:.3f}, val accuracy "
+            f"{progress.val_accuracy:.2%} on {progress.val_samples} samples"
+        )
+        progress.epoch += 1
+
+
+class TrainLog:
+    """What the log reports: the mean loss over the steps since the last line.
+
+    The losses stay on the device until a line is logged: a .item() on every step would
+    make this process wait for the GPU each time, instead of queueing the next step.
+    """
+
+    def __init__(self, device: torch.device):
+        self.total = torch.zeros((), device=device)
+        self.steps = 0
+
+    def add(self, loss: Tensor):
+        self.total += loss.detach()
+        self.steps += 1
+
+    def report(self) -> dict:
+        """The numbers since the last report, over all processes; starts anew."""
+        mean = self.total / self.steps
+        dist.all_reduce(mean)  # a sum over the processes: every one gets it
+        mean = mean.item() / dist.get_world_size()
+        self.total.zero_()
+        self.steps = 0
+        return {"loss": mean}
+
+
+def log_line(progress: Progress, train_log: TrainLog, scheduler):
+    loss = train_log.report()["loss"]
+    progress.first_loss = loss if progress.first_loss is None else progress.first_loss
+    progress.last_loss = loss
+    log.info(
+        f"epoch {progress.epoch} step {progress.steps} | loss {loss:.4f} | "
+        f"lr {scheduler.get_last_lr()[0]:.2e}"
+    )
+
+
+@torch.no_grad()
+def validate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict:
+    """The mean loss and accuracy over every validation sample, and their count."""
+    # BatchNorm's running statistics are the one state that DDP leaves different:
+    # each process updated them with its own batches. Take rank 0's.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    model.eval()
+    # Sums, not means, so that a smaller last batch weighs exactly its size: loss,
+    # right predictions and samples, in float64 to keep the counts exact.
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for batch in loader:
+        inputs, target = to_device(batch, device)
+        output = model(inputs)
+        n = len(target)
+        sums[0] += loss_fn(output, target).double() * n
+        sums[1] += correct(output, target)
+        sums[2] += n
+    # Each process saw its own shard: add the sums up, and every process has them.
+    dist.all_reduce(sums)
+    loss, right, n = sums.tolist()
+    return {"val_loss": loss / n, "val_accuracy": right / n, "val_samples": int(n)}
+
+
+# ---- Plumbing: the same in every example (tests/test_examples.py checks it) ----------
+
+
+class Place(NamedTuple):
+    """Where this process stands in the job."""
+
+    rank: int  # its number among all processes, from 0
+    local_rank: int  # its number among the processes of its node: picks its GPU
+    world_size: int  # the number of processes
+
+
+def setup(rendezvous_timeout: float = 120) -> Place:
+    """Joins the process group, whoever started this process: srun, torchrun, or none.
+
+    RANK, LOCAL_RANK and WORLD_SIZE are set for libraries that read them, as torchrun
+    sets them. Under srun, joining waits at most `rendezvous_timeout` seconds: the
+    group's own timeout also bounds every collective, 10 minutes for NCCL and 30 for
+    gloo by default.
+    """
+    place, launcher = find_place()
+    os.environ.update(
+        RANK=str(place.rank),
+        LOCAL_RANK=str(place.local_rank),
+        WORLD_SIZE=str(place.world_size),
+    )
+    backend = "nccl" if use_gpus() else "gloo"
+    if launcher == "torchrun":
+        # torchrun's rendezvous is done: env:// meets its store.
+        dist.init_process_group(backend)
+        return place
+    if launcher == "single process":
+        store = dist.HashStore()  # no other process to meet
+    else:
+        store = rendezvous(place, rendezvous_timeout)
+    dist.init_process_group(
+        backend, store=store, rank=place.rank, world_size=place.world_size
+    )
+    return place
+
+
+def find_place() -> tuple[Place, str]:
+    """This process's place, from the variables of the launcher that started it."""
+    env = os.environ
+    launch = "Start one process per task with `srun python main.py` (job.sh does)"
+    variables = {
+        "torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
+        # Only a task that srun started has SLURM_STEP_NUM_TASKS. The batch script
+        # has SLURM_PROCID=0 and the job's SLURM_NTASKS too, but no step.
+        "srun": (
+            "SLURM_PROCID",
+            "SLURM_LOCALID",
+            "SLURM_NTASKS",
+            "SLURM_STEP_NUM_TASKS",
+        ),
+    }
+    for launcher, names in variables.items():
+        if all(name in env for name in names):
+            place = Place(*(int(env[name]) for name in names[:3]))
+            if not 0 <= place.rank < place.world_size:
+                raise SystemExit(
+                    f"error: rank {place.rank} does not fit a world of "
+                    f"{place.world_size}: {launcher}'s variables were set or changed "
+                    f"by hand. {launch}."
+                )
+            return place, launcher
+    if int(env.get("SLURM_NTASKS", "1")) > 1:
+        raise SystemExit(
+            "error: main.py was started by the batch script, not by srun. The job has "
+            f"{env['SLURM_NTASKS']} task(s); without srun only this process runs, and "
+            f"it would wait forever for the others. {launch}."
+        )
+    if found := [name for name in ("RANK", "OMPI_COMM_WORLD_RANK") if name in env]:
+        raise SystemExit(
+            f"error: cannot tell this process's rank (found {', '.join(found)}). "
+            "main.py reads RANK, LOCAL_RANK, WORLD_SIZE (torchrun) or SLURM_PROCID, "
+            "SLURM_LOCALID, SLURM_NTASKS (srun), or none of them (a single process)."
+        )
+    return Place(0, 0, 1), "single process"
+
+
+def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
+    """The store where srun's tasks meet: rank 0 serves it at MASTER_ADDR:MASTER_PORT,
+    which job.sh exports, and the others connect."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise SystemExit(
+                f"error: {name} is not set. job.sh exports MASTER_ADDR and MASTER_PORT "
+                "before srun; export them too when you launch by hand."
+            )
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    host = socket.gethostname()
+    try:
+        return dist.TCPStore(
+            address, port, place.world_size, is_master=place.rank == 0,
+            timeout=timedelta(seconds=timeout),
+        )  # fmt: skip
+    except dist.DistError as error:
+        if "EADDRINUSE" in str(error):
+            raise SystemExit(
+                f"error: rank 0 cannot listen on port {port} of {host}: another "
+                "process holds it. job.sh derives MASTER_PORT from the job ID; a port "
+                "fixed by hand collides with other jobs on the node. Pick another, "
+                "from 10000-19999."
+            ) from None
+        raise SystemExit(
+            f"error: rank {place.rank} on {host} waited {timeout:.0f} s for the "
+            f"rendezvous at {address}:{port}, and not all {place.world_size} processes "
+            "joined. Rank 0 must run on MASTER_ADDR (the job's first node): check that "
+            "the node is up, that its task started, and that MASTER_ADDR names it.\n"
+            f"({type(error).__name__}: {str(error).splitlines()[0]})"
+        ) from None
+
+
+def use_gpus() -> bool:
+    """True to train on GPUs with NCCL, False to train on CPUs with gloo.
+
+    A task that Slurm gave GPUs must use them: when CUDA does not
+    work there, stop at once rather than train on CPUs for hours.
+    TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
+    """
+    if os.environ.get("TRAIN_ON_CPU") == "1":
+        return False
+    if torch.cuda.is_available():
+        return True
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus not in ("", "0") or visible not in ("", "-1", "NoDevFiles"):
+        raise SystemExit(
+            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, "
+            f"CUDA_VISIBLE_DEVICES={visible}), but torch {torch.__version__} cannot "
+            "use them. Likely causes: a torch build without CUDA; an NVIDIA driver "
+            "older than the build needs (compare `nvidia-smi` with CUDA "
+            f"{torch.version.cuda}); a container started without its GPUs (apptainer "
+            "--nv). To train on CPUs anyway, set TRAIN_ON_CPU=1."
+        )
+    return False
+
+
+def get_device(local_rank: int) -> torch.device:
+    """This process's GPU, made its current device; or the
+    CPU when not training on GPUs.
+
+    Slurm may show a task every GPU of its node, or only its own
+    (--gpu-bind, often with --gpus-per-task, or a MIG slice). One rule
+    fits both: a process that sees one GPU takes it, and a process that
+    sees several takes the one at its local rank, its place on its node.
+    """
+    if not use_gpus():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    index = 0 if visible == 1 else local_rank
+    if index >= visible:
+        raise SystemExit(
+            f"error: the process of local rank {local_rank} sees {visible} GPUs, none "
+            "of them its own. Ask for a GPU per process: as many GPUs per node as "
+            "processes per node."
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def get_num_workers() -> int:
+    """DataLoader workers: this process's share of its
+    task's CPUs, less one for the process."""
+    # The CPUs that Slurm bound the task to. Where a site does not
+    # bind tasks to CPUs, that is the whole node: keep to what the
+    # job asked for as well. (macOS has no affinity: all its CPUs.)
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    if "SLURM_CPUS_PER_TASK" in os.environ:
+        cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    # torchrun's processes share their task's CPUs.
+    return max(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
+
+
+if __name__ == "__main__":
+    main()
