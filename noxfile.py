@@ -8,7 +8,7 @@ nox -s slurm            only the tests that submit job.sh files to the Slurm tes
                         cluster, all of them on each version;
                         `nox -s "slurm(version='22.05')"` for one
 nox -s docs -- --serve  rebuild the site on every change, served on localhost:8000
-nox -s bench            samples/s of the image_classifier example with each speed
+nox -s bench            samples/s of the generic template with each speed
                         setting (GPU)
 nox -s screenshots      PNGs of the Mila page's first diff, light and dark, for the
                         README
@@ -74,7 +74,7 @@ def examples(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Samples/s of the image classifier as each speed setting is turned on (GPU node).
+    """Samples/s of the template as each speed setting is turned on (GPU node).
 
     `nox -s bench -- --csv bench.csv -- --data-dir DIR` measures
     your own data's input pipeline; see tests/bench.py.

@@ -1,4 +1,4 @@
-"""Samples/s of the image_classifier example, as each speed
+"""Samples/s of the generic template (step 5), as each speed
 setting is turned on in turn.
 
 Each row runs `main.py --benchmark N` as a single process, with one more
@@ -30,9 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = (
-    Path(__file__).resolve().parent.parent / "examples" / "generic" / "image_classifier"
-)
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "generic" / "template"
 
 # The settings in the order the rows turn them on, each row
 # keeping those above it: the arguments that turn it off, those

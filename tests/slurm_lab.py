@@ -298,7 +298,7 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         """What the site profiles need beyond their committed files."""
         # Mila and generic: $SCRATCH, which their profiles export.
         (self.state / "scratch").mkdir()
-        # Generic: an image folder where the image_classifier job.sh looks for ImageNet.
+        # Generic: an image folder where the generic job.sh files look for ImageNet.
         tinyimagenet.make_folders(self.state / "scratch" / "data" / "imagenet")
         # Ibex: the user's own miniconda, at /ibex/user/$USER/miniconda3.
         user = self.env()["USER"]

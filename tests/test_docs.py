@@ -96,7 +96,7 @@ def test_pages_have_no_untested_code_blocks():
                 )
 
 
-@pytest.mark.parametrize(("page", "diffs"), [("mila", 6), ("ibex", 4), ("generic", 10)])
+@pytest.mark.parametrize(("page", "diffs"), [("mila", 6), ("ibex", 4), ("generic", 8)])
 def test_diffs_show_relative_paths_and_have_no_copy_button(site, page, diffs):
     text = (site / "clusters" / f"{page}.html").read_text()
     assert text.count('<div class="code-diff highlight-diff-') == diffs

@@ -1,6 +1,7 @@
 """Every example, run in CPU smoke mode as its job.sh
 launches it, must train correctly."""
 
+import ast
 import dataclasses
 import re
 
@@ -35,10 +36,11 @@ def test_every_process_group_forks_its_workers_from_a_server():
     both = [
         path.parent.relative_to(EXAMPLES_DIR)
         for path in sorted(EXAMPLES_DIR.glob("**/main.py"))
-        if "init_process_group" in (source := path.read_text())
-        and "num_workers=" in source
+        if "DistributedDataParallel(" in (source := path.read_text())
+        and re.search(r"num_workers", source)
     ]
-    assert len(both) >= 7, both  # Mila's and Ibex's multi-process steps, and mp_spawn
+    # Mila's and Ibex's multi-process steps, the generic steps 2 to 5, the launchers'
+    assert len(both) >= 12, both
     for folder in both:
         source = (EXAMPLES_DIR / folder / "main.py").read_text()
         assert 'multiprocessing.set_start_method("forkserver", force=True)' in source, (
@@ -65,7 +67,11 @@ def test_smoke_run_trains_on_every_rank(name, smoke_run):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize(
     ("name", "field"),
-    [("mila/multi_gpu", "tasks_per_node"), ("ibex/single_node", "procs_per_task")],
+    [
+        ("mila/multi_gpu", "tasks_per_node"),
+        ("ibex/single_node", "procs_per_task"),
+        ("generic/multi_gpu", "tasks_per_node"),
+    ],
 )
 def test_validation_counts_every_sample_exactly_once(
     name, field, world_size, smoke_run
@@ -84,6 +90,8 @@ def test_validation_counts_every_sample_exactly_once(
         ("mila/multi_gpu", "mila/multi_node"),
         ("ibex/single_node", "ibex/multi_node"),
         ("ibex/multi_node", "ibex/multi_node_legacy"),
+        ("generic/multi_gpu", "generic/multi_node"),
+        ("generic/multi_node", "launchers/srun_torchrun"),
     ],
 )
 def test_same_process_count_gives_the_same_numbers(one, other, smoke_run):
@@ -191,68 +199,112 @@ def test_tinyimagenet_validation_labels_follow_the_annotations(name, tmp_path):
     assert tuple(image.shape) == (3, 64, 64)
 
 
-@pytest.mark.parametrize(
-    "launch", [EXAMPLES["generic/any_launcher"], *dict(MORE_LAUNCHES).values()]
-)
+# The plumbing section: what every example needs, the same in every file that has it.
+PLUMBING = "# ---- Plumbing: the same in every example"
+PLUMBING_NAMES = [
+    "Place", "setup", "find_place", "rendezvous", "use_gpus", "get_device",
+    "get_num_workers",
+]  # fmt: skip
+STRUCTURED = [
+    name for name in EXAMPLES if name.startswith(("generic/", "launchers/"))
+    and name != "generic/fsdp"
+]  # fmt: skip
+
+
+def plumbing(name: str) -> dict[str, str]:
+    """The source of each definition in the example's plumbing section, by name."""
+    source = (EXAMPLES_DIR / name / "main.py").read_text()
+    assert PLUMBING in source, f"{name}: no plumbing section"
+    section = source[source.index(PLUMBING) :]
+    tree = ast.parse(section)
+    return {
+        node.name: ast.get_source_segment(section, node)
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.ClassDef)
+    }
+
+
+def test_the_plumbing_is_the_same_in_every_example():
+    reference = plumbing("generic/single_gpu")
+    assert list(reference) == PLUMBING_NAMES
+    for name in STRUCTURED:
+        # Byte for byte: a fix in one copy must reach every other.
+        assert plumbing(name) == reference, f"{name}: its plumbing differs"
+
+
+def test_setup_gives_one_named_tuple_in_one_order():
+    # Rank first, local rank second: a copy of setup() moved between files must never
+    # swap them, which nothing would show on one node.
+    for name in STRUCTURED:
+        place = load_main(name).Place(rank=5, local_rank=1, world_size=8)
+        assert tuple(place) == (5, 1, 8) and place.local_rank == 1
+
+
+def test_every_main_is_a_table_of_contents():
+    for path in sorted(EXAMPLES_DIR.glob("**/main.py")):
+        name = str(path.parent.relative_to(EXAMPLES_DIR))
+        if name not in STRUCTURED:
+            continue
+        [main] = [
+            node
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.FunctionDef) and node.name == "main"
+        ]
+        assert main.end_lineno - main.lineno + 1 <= 60, f"{name}: main() too long"
+
+
+@pytest.mark.parametrize("launch", [EXAMPLES["generic/multi_node"],
+                                    *dict(MORE_LAUNCHES).values()])  # fmt: skip
 def test_one_main_py_runs_under_each_launcher(launch, smoke_run):
-    run = smoke_run("generic/any_launcher", launch)
+    # srun, torchrun, or none: setup() finds the process's place from the variables.
+    run = smoke_run("generic/multi_node", launch)
     assert check_run(run) == [], run.output
-    expected = {"srun": "srun", "torchrun": "torchrun", "python": "single process"}
-    # As many processes as the launcher should start, each knowing who started it.
     assert len(run.summaries) == launch.world_size
-    assert {s["launcher"] for s in run.summaries} == {expected[launch.launcher]}
-
-
-def test_one_main_py_computes_the_same_under_srun_and_torchrun(smoke_run):
-    srun = smoke_run("generic/any_launcher")
-    torchrun = smoke_run(
-        "generic/any_launcher",
-        next(launch for _, launch in MORE_LAUNCHES if launch.launcher == "torchrun"),
-    )
-    by_launcher = [
-        [{k: v for k, v in s.items() if k != "launcher"} for s in run.summaries]
-        for run in (srun, torchrun)
-    ]
-    assert srun.launch.world_size == torchrun.launch.world_size == 2
-    assert by_launcher[0] == by_launcher[1]
 
 
 @pytest.mark.parametrize(
-    ("env", "found"),
+    ("env", "message"),
     [
         (
             {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"},
-            "OMPI_COMM_WORLD_RANK",
+            "cannot tell this process's rank (found OMPI_COMM_WORLD_RANK)",
         ),
-        ({"RANK": "0"}, "RANK"),
-        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0"}, "SLURM_NTASKS=4 without srun"),
+        ({"RANK": "0"}, "cannot tell this process's rank (found RANK)"),
+        (
+            {"SLURM_NTASKS": "4", "SLURM_PROCID": "0"},
+            "main.py was started by the batch script, not by srun. The job has 4",
+        ),
     ],
 )
-def test_unknown_launcher_names_the_variables_looked_for(env, found):
+def test_an_unknown_launch_names_the_variables_looked_for(env, message):
     run = failed_run(
-        "generic/any_launcher", Launch("python"), env=env, args=GENERIC_SMOKE_ARGS
+        "generic/multi_node", Launch("python"), env=env, args=GENERIC_SMOKE_ARGS
     )
-    assert f"cannot tell this process's rank (found {found}" in run.output
-    for name in (
-        "RANK, LOCAL_RANK, WORLD_SIZE",
-        "SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS",
-    ):
-        assert name in run.output
+    assert message in " ".join(run.output.split()), run.output
+    if "rank" in message:
+        for names in (
+            "RANK, LOCAL_RANK, WORLD_SIZE",
+            "SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS",
+        ):
+            assert names in " ".join(run.output.split())
 
 
-def test_generic_srun_example_refuses_a_launch_without_srun():
-    run = failed_run("generic/srun_tasks", Launch("python"), args=GENERIC_SMOKE_ARGS)
-    assert "not started by srun" in run.output and "srun python main.py" in run.output
+def test_a_rank_outside_the_world_is_refused():
+    launch = dataclasses.replace(EXAMPLES["generic/multi_gpu"], tasks_per_node=1)
+    run = failed_run("generic/multi_gpu", launch, env={"SLURM_PROCID": "3"})
+    assert "rank 3 does not fit a world of 1: srun's variables" in run.output
 
 
-def test_generic_torchrun_example_refuses_a_launch_without_torchrun():
-    run = failed_run("generic/first_ddp", Launch("python"), args=GENERIC_SMOKE_ARGS)
-    assert "start this script with torchrun" in run.output
+GENERIC_DATA = [name for name in STRUCTURED if EXAMPLES[name].dataset == "imagefolder"]
 
 
-def test_mp_spawn_missing_dataset_names_the_path_and_the_switch(tmp_path):
-    run = failed_run(
-        "generic/mp_spawn", Launch("python"), args=("--data-dir", str(tmp_path))
-    )
-    assert f"CIFAR-10 not found: expected {tmp_path}/cifar-10-batches-py" in run.output
+@pytest.mark.parametrize("name", GENERIC_DATA)
+def test_a_missing_dataset_stops_every_rank_with_the_fix(tmp_path, name):
+    (tmp_path / "train").mkdir()
+    launch = dataclasses.replace(EXAMPLES[name], dataset=None)
+    run = failed_run(name, launch, env={"DATA_DIR": str(tmp_path)})
+    # Every rank stops with it; under mp.spawn, the parent ends the others.
+    expected = launch.world_size if launch.launcher != "python" else 1
+    assert run.output.count(f"error: {tmp_path} has no val folder") >= expected
+    assert "train/<class>/<image> and val/<class>/<image>" in run.output
     assert "--synthetic-data" in run.output

@@ -33,13 +33,34 @@ FAIL_FAST = (
     60  # seconds: the longest a failing job may take to end, from submission or kill
 )
 # A long enough run of the generic checkpointing example to interrupt it three times: 8
-# epochs of 512 steps per rank, about 2 s each on this cluster.
-LONG_RUN = ("--epochs", "8", "--dataset-size", "16384", "--batch-size", "8")
+# epochs of ResNet-18 on small synthetic images, several seconds each on this cluster.
+SMALL_MODEL = (
+    "--synthetic-data", "--synthetic-classes", "10", "--model", "resnet18",
+    "--image-size", "32", "--warmup-steps", "10", "--log-every", "10",
+)  # fmt: skip
+LONG_RUN = (
+    *SMALL_MODEL,
+    "--epochs",
+    "8",
+    "--synthetic-size",
+    "2048",
+    "--batch-size",
+    "8",
+)
 # As many steps per rank, with one task per node: 2 ranks, whose gradient sum does not
 # depend on the order of its terms. With 3 or more, DDP's first step after every restart
 # adds them up in another order, so a resumed run may differ from an uninterrupted one
 # in the last bits (see the troubleshooting page, and test_concepts.py).
-EXACT_RUN = ("--epochs", "8", "--dataset-size", "8192", "--batch-size", "8")
+EXACT_RUN = (
+    *SMALL_MODEL,
+    "--epochs",
+    "8",
+    "--synthetic-size",
+    "1024",
+    "--batch-size",
+    "8",
+)
+EPOCH_END = "val loss"  # what each example logs once an epoch is over
 ONE_TASK_PER_NODE = ["--ntasks-per-node=1"]
 
 
@@ -147,9 +168,9 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path):
     # An unplanned step each time: a random moment within an epoch of training.
     rng = random.Random()
     for restarts, interrupt in enumerate([requeue, warn_one_rank, warn_all], start=1):
-        epochs_seen = read(output).count("mean loss")
+        epochs_seen = read(output).count(EPOCH_END)
         wait_until(
-            lambda seen=epochs_seen: read(output).count("mean loss") > seen,
+            lambda seen=epochs_seen: read(output).count(EPOCH_END) > seen,
             120,
             "an epoch of training",
         )
@@ -278,9 +299,7 @@ def test_a_cancelled_job_resumes_when_resubmitted(lab, tmp_path):
     plain = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "plain", options=options)
     first = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "run", options=options)
     output = tmp_path / "run" / f"slurm-{first}.out"
-    wait_until(
-        lambda: "epoch 0: mean loss" in read(output), 120, "an epoch of training"
-    )
+    wait_until(lambda: EPOCH_END in read(output), 120, "an epoch of training")
     time.sleep(random.uniform(0.1, 1.5))
     # SIGTERM to every process of the job, then SIGKILL after KillWait: time to save.
     subprocess.run(["scancel", first], env=lab.env(), check=True)
@@ -322,7 +341,7 @@ def test_a_killed_rank_ends_the_whole_job_at_once(lab, tmp_path):
     # connections by itself; NCCL often waits until its timeout.)
     job_id = submit(lab, "generic/checkpointing", *LONG_RUN, workdir=tmp_path)
     output = tmp_path / f"slurm-{job_id}.out"
-    wait_until(lambda: "epoch 0: mean loss" in read(output), 120, "training")
+    wait_until(lambda: EPOCH_END in read(output), 120, "training")
     os.kill(wait_until(lambda: find_rank(job_id, rank=1), 30, "rank 1"), signal.SIGKILL)
     killed = time.monotonic()
     job = lab.wait(job_id, tmp_path, timeout=120)
@@ -359,7 +378,11 @@ SITE_SETUP = {
 @pytest.mark.parametrize(
     ("name", "args", "message"),
     [
-        ("generic/checkpointing", "--epochs 1", "not started by srun"),
+        (
+            "generic/checkpointing",
+            "--synthetic-data --epochs 1",
+            "main.py was started by the batch script, not by srun",
+        ),
         (
             "mila/checkpointing",
             "--synthetic-data --epochs 1",
@@ -384,14 +407,13 @@ def test_python_without_srun_fails_fast(lab, tmp_path, name, args, message):
 
 def test_resuming_with_another_task_count_fails_fast(lab, tmp_path):
     name = "generic/checkpointing"
-    first = submit(
-        lab, name, "--epochs", "1", "--dataset-size", "256", workdir=tmp_path
-    )
+    first = submit(lab, name, *EXAMPLES[name].args, workdir=tmp_path)
     assert lab.wait(first, tmp_path, timeout=120).ok
     checkpoints = lab.state / "scratch" / "checkpoints" / run_name(tmp_path)
     # The same checkpoints, with 2 tasks instead of 4.
     job_id = submit(
-        lab, name, "--checkpoint-dir", str(checkpoints), workdir=tmp_path,
+        lab, name, *EXAMPLES[name].args, "--checkpoint-dir", str(checkpoints),
+        workdir=tmp_path,
         options=ONE_TASK_PER_NODE,
     )  # fmt: skip
     job = timed_job(lab, job_id, tmp_path, "resume with 2 tasks from 4")
@@ -466,7 +488,7 @@ def test_a_job_given_gpus_that_cuda_cannot_use_fails_fast(lab, tmp_path):
     # behind a too-old driver. Without TRAIN_ON_CPU=1, which the
     # site profiles set, the job must stop, not train on CPUs.
     job_id = submit(
-        lab, "generic/srun_tasks", *EXAMPLES["generic/srun_tasks"].args,
+        lab, "generic/multi_gpu", *EXAMPLES["generic/multi_gpu"].args,
         workdir=tmp_path, TRAIN_ON_CPU="",
     )  # fmt: skip
     job = timed_job(lab, job_id, tmp_path, "GPUs that CUDA cannot use")

@@ -15,7 +15,7 @@ from smoke import EXAMPLES, EXAMPLES_DIR, parse_summaries
 pytestmark = pytest.mark.slurm
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-NAME = "generic/image_classifier"
+NAME = "generic/template"
 JOB_ID = "12345"  # the job ID that the pages' commands use
 
 

@@ -9,7 +9,7 @@
 
 The Ibex examples read it with their real loading code: ImageFolder for train/, and the
 annotations file for val/. make_folders() writes the simpler layout of one folder per
-class, train/ and val/ alike, for the generic image_classifier example. Each class has
+class, train/ and val/ alike, for the generic examples. Each class has
 its own colour, so a model can learn it quickly.
 """
 
@@ -67,7 +67,7 @@ def make_folders(
     """Writes train/<class>/ and val/<class>/ under `root`:
     the layout ImageFolder reads.
 
-    That is the generic image_classifier example's input, as for ImageNet once its
+    That is the generic examples' input, as for ImageNet once its
     validation images are sorted into class folders.
     """
     rng = random.Random(1)

@@ -1,0 +1,342 @@
+"""The generic template (step 5): accumulation, warm-up, the throughput log, the
+variables it sets for libraries, its benchmark, the laptop command of the home page,
+its speed settings, and a model of another kind swapped in through its reader's part."""
+
+import argparse
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import bench
+import pytest
+import tinyimagenet
+import torch
+from smoke import (
+    EXAMPLES,
+    EXAMPLES_DIR,
+    assert_bitwise_equal,
+    base_env,
+    check_run,
+    load_main,
+    numbers,
+    run_example,
+    unwrapped,
+)
+
+NAME = "generic/template"
+ROOT = EXAMPLES_DIR.parent
+
+
+@pytest.fixture(scope="module")
+def example():
+    return load_main(NAME)
+
+
+@pytest.fixture
+def process_group():
+    """A one-process gloo group in this process, for the functions that DDP needs."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_accumulated_micro_batches_give_the_whole_batchs_gradients_with_one_all_reduce(
+    example, process_group
+):
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    # No BatchNorm or dropout, whose results depend on how a batch is split.
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 5)
+    )
+    model = DistributedDataParallel(net)
+    all_reduces = []
+
+    def count_and_pass(state, bucket):
+        # DDP's own all_reduce, on one process, leaves the gradients as they are.
+        all_reduces.append(bucket.index())
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    model.register_comm_hook(None, count_and_pass)
+    x, y = torch.randn(8, 3, 8, 8), torch.arange(8) % 5
+    log = example.TrainLog(torch.device("cpu"), samples_per_step=8)
+
+    def gradients(micro_batches):
+        all_reduces.clear()
+        net.zero_grad(set_to_none=True)
+        args = argparse.Namespace(
+            accumulation_steps=len(micro_batches), bf16=False, channels_last=False
+        )
+        loss = example.accumulate_gradients(model, iter(micro_batches), args, log)
+        return loss, [p.grad.clone() for p in net.parameters()], len(all_reduces)
+
+    whole_loss, whole, whole_reduces = gradients([(x, y)])
+    parts = [(x[i : i + 2], y[i : i + 2]) for i in range(0, 8, 2)]
+    split_loss, split, split_reduces = gradients(parts)
+    assert torch.allclose(split_loss, whole_loss, atol=1e-6)
+    for a, b in zip(split, whole, strict=True):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+    # Four micro-batches cost no more communication than
+    # one: no_sync() on all but the last.
+    assert whole_reduces >= 1
+    assert split_reduces == whole_reduces
+
+
+def test_learning_rate_warms_up_linearly_then_decays_to_zero(example):
+    import torch
+
+    args = example.parse_args(["--warmup-steps", "4", "--epochs", "3"])
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = example.make_scheduler(args, optimizer, steps_per_epoch=4)
+    factors = []
+    for _ in range(13):
+        factors.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    decay = factors[4:]
+    assert decay[0] == 1.0 and decay[-1] == pytest.approx(0.0, abs=1e-12)
+    assert all(a > b for a, b in zip(decay, decay[1:], strict=False))
+    assert decay[4] == pytest.approx(0.5)  # halfway through the decay
+
+
+def test_bf16_is_refused_where_it_cannot_run(example):
+    import torch
+
+    args = example.parse_args(["--bf16"])
+    with pytest.raises(SystemExit, match="needs a GPU of compute capability 8.0"):
+        example.speed_settings(args, torch.device("cpu"))
+    # Unasked, a CPU trains as before: fp32, and no GPU-only setting.
+    args = example.parse_args([])
+    speed = example.speed_settings(args, torch.device("cpu"))
+    assert not any(
+        speed[k] for k in ("bf16", "channels_last", "cudnn_benchmark", "pin_memory")
+    )
+    # Asked for, channels_last applies on a CPU too, to 4-D inputs only.
+    args = example.parse_args(["--channels-last"])
+    example.speed_settings(args, torch.device("cpu"))
+    image, sequence = torch.zeros(2, 3, 4, 4), torch.zeros(2, 5, 3)
+    assert example.memory_layout(image, args).is_contiguous(
+        memory_format=torch.channels_last
+    )
+    assert example.memory_layout(sequence, args) is sequence
+
+
+def test_setup_sets_the_variables_that_libraries_read(example, monkeypatch):
+    # Under srun, RANK, LOCAL_RANK and WORLD_SIZE, as torchrun would set them, for
+    # Accelerate and the Hugging Face Trainer.
+    import torch.distributed as dist
+    from smoke import free_port
+
+    srun = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
+            "SLURM_STEP_NUM_TASKS": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()), "TRAIN_ON_CPU": "1"}  # fmt: skip
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in srun.items():
+        monkeypatch.setenv(name, value)
+    place = example.setup()
+    try:
+        assert place == example.Place(rank=0, local_rank=0, world_size=1)
+        assert [
+            example.os.environ[n] for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+        ] == ["0", "0", "1"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_throughput_log_reports_every_few_steps(smoke_run):
+    run = smoke_run(NAME)
+    assert check_run(run) == [], run.output
+    # --log-every 2 over 6 steps, on rank 0 only.
+    log = re.findall(
+        r"\[(\d)/2\] epoch 0 step (\d) \| loss ([\d.]+) \| lr \S+ \| "
+        r"([\d.]+) samples/s per process, ([\d.]+) in total \| "
+        r"waiting for data (\d+)%",
+        run.output,
+    )
+    assert [(rank, step) for rank, step, *_ in log] == [
+        ("0", "2"),
+        ("0", "4"),
+        ("0", "6"),
+    ]
+    for _, _, _, per_process, total, waiting in log:
+        assert float(per_process) > 0 and float(total) > 0
+        assert 0 <= int(waiting) <= 100
+    assert "Global batch: 8 x 2 = 16" in run.output
+    # The summary's losses are those of the first and last log lines.
+    summary = run.summaries[0]
+    assert f"{summary['first_loss']:.4f}" == log[0][2]
+    assert f"{summary['last_loss']:.4f}" == log[-1][2]
+
+
+def test_the_laptop_command_of_the_home_page_trains(tmp_path):
+    # The one line the home page gives for a first try, run
+    # as it is, with no GPU and no launcher.
+    index = (ROOT / "docs" / "index.md").read_text()
+    [command] = re.findall(r"^python main\.py --synthetic-data .*$", index, re.M)
+    env = base_env()
+    del env["TRAIN_ON_CPU"]  # a laptop without a GPU trains on its CPU unasked
+    result = subprocess.run(
+        [sys.executable, *command.split()[1:]],
+        cwd=EXAMPLES_DIR / NAME,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    [summary] = re.findall(r"^summary: .*$", result.stdout, re.M)
+    assert '"world_size": 1' in summary
+    losses = re.findall(r"\| loss ([\d.]+) \|", result.stderr)
+    assert len(losses) >= 2 and float(losses[-1]) < float(losses[0]), result.stderr
+
+
+def test_benchmark_reports_both_rates_for_each_row(tmp_path):
+    tinyimagenet.make_folders(tmp_path / "images")
+    csv_file = tmp_path / "bench.csv"
+    # Two CPUs for the process, whatever this machine has: one DataLoader worker.
+    env = {**base_env(), "SLURM_CPUS_PER_TASK": "2"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "bench.py"), "--steps", "3", "--csv",
+         str(csv_file), "--", "--model", "resnet18", "--image-size", "32",
+         "--batch-size", "8", "--data-dir", str(tmp_path / "images")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert re.match(
+        r"resnet18, 32 px, batch 8, cpu, torch \S+, CUDA \S+; no GPU", lines[0]
+    )
+    assert "no GPU: the GPU-only rows are left out" in lines[0]
+    assert (
+        lines[1]
+        == "| setting | num_workers | input_samples_per_s | step_samples_per_s |"
+    )
+    rows = [line.strip("| ").split(" | ") for line in lines[3:]]
+    # Without a GPU: everything off, then DataLoader
+    # workers; each rate a positive number.
+    assert [row[0] for row in rows] == ["everything off", "+ DataLoader workers"]
+    assert [row[1] for row in rows] == ["0", "1"]
+    for row in rows:
+        assert float(row[2]) > 0 and float(row[3]) > 0
+    assert csv_file.read_text().startswith("setting,")
+
+
+def test_benchmark_rows_turn_on_one_setting_each():
+    rows = bench.rows()
+    assert len(rows) == len(bench.SETTINGS) + 1
+    assert rows[0][1] == [arg for _, off, _, _ in bench.SETTINGS for arg in off]
+    assert rows[-1][1] == ["--bf16", "--compile"]
+    # Every option the rows pass is one that main.py takes.
+    example = load_main(NAME)
+    for _, args, _ in rows:
+        example.parse_args(args)
+
+
+# A model and data of another kind, for the template's section "Your model and data":
+# sequences of 12 steps of 6 features (3-D batches, where images are 4-D), classified
+# by a GRU into 3 classes. Nothing else of main.py changes.
+SEQUENCE_SECTION = """
+
+def build_model(args, num_classes: int) -> nn.Module:
+    return SequenceClassifier(features=6, hidden=32, classes=num_classes)
+
+
+def make_datasets(args) -> tuple[Dataset, Dataset, int]:
+    return Sequences(args.synthetic_size, 0), Sequences(50, args.synthetic_size), 3
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(output, target)
+
+
+def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
+    inputs, target = batch
+    return inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
+
+
+def correct(output: Tensor, target: Tensor) -> Tensor:
+    return output.argmax(-1).eq(target).sum()
+
+
+class SequenceClassifier(nn.Module):
+    def __init__(self, features: int, hidden: int, classes: int):
+        super().__init__()
+        self.gru = nn.GRU(features, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0][:, -1])
+
+
+class Sequences(Dataset):
+    def __init__(self, length: int, first_seed: int):
+        self.length, self.first_seed = length, first_seed
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index: int):
+        label = index % 3
+        noise = torch.randn(12, 6, generator=torch.Generator().manual_seed(
+            self.first_seed + index))
+        return noise + label, label
+
+
+"""
+# GPU-only settings that run on CPUs too, turned on; accumulation; workers.
+SEQUENCE_ARGS = (
+    "--synthetic-data", "--synthetic-size", "600", "--batch-size", "8",
+    "--accumulation-steps", "2", "--epochs", "2", "--warmup-steps", "4",
+    "--log-every", "5", "--num-workers", "1", "--channels-last", "--cudnn-benchmark",
+    "--pin-memory",
+)  # fmt: skip
+
+
+def test_a_model_of_another_kind_needs_only_the_readers_section(tmp_path):
+    folder = tmp_path / "sequences"
+    shutil.copytree(EXAMPLES_DIR / NAME, folder)
+    source = (folder / "main.py").read_text()
+    start = source.index("# ---- Your model and data")
+    start = source.index("\n", start) + 1
+    end = source.index("# ---- Training")
+    (folder / "main.py").write_text(source[:start] + SEQUENCE_SECTION + source[end:])
+    launch = EXAMPLES[NAME]
+
+    def run(checkpoints: str, **kwargs):
+        env = {"CHECKPOINT_DIR": str(tmp_path / checkpoints)}
+        return run_example(NAME, launch, SEQUENCE_ARGS, env, folder=folder, **kwargs)
+
+    plain = run("plain")
+    assert check_run(plain) == [], plain.output
+    summary = plain.summaries[0]
+    assert summary["val_samples"] == 50 and summary["last_loss"] < summary["first_loss"]
+
+    def stop_rank_1(procs, logs: list[Path]):
+        deadline = time.monotonic() + 120
+        while "epoch 0 step 5 |" not in logs[0].read_text():
+            assert time.monotonic() < deadline, logs[0].read_text()
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+
+    stopped = run("stopped", while_running=stop_rank_1)
+    assert stopped.ok and "checkpoint saved" in stopped.output, stopped.output
+    resumed = run("stopped")
+    assert "Resumed from" in unwrapped(resumed.output), resumed.output
+    assert numbers(resumed.summaries) == numbers(plain.summaries)
+    load = lambda run: torch.load(  # noqa: E731
+        tmp_path / run / "checkpoint.pt", map_location="cpu", weights_only=True
+    )
+    assert_bitwise_equal(load("stopped"), load("plain"))
