@@ -3,6 +3,7 @@ variables it sets for libraries, its benchmark, the laptop command of the home p
 its speed settings, and a model of another kind swapped in through its reader's part."""
 
 import argparse
+import dataclasses
 import re
 import shutil
 import signal
@@ -188,9 +189,11 @@ def test_the_laptop_command_of_the_home_page_trains(tmp_path):
     [command] = re.findall(r"^python main\.py --synthetic-data .*$", index, re.M)
     env = base_env()
     del env["TRAIN_ON_CPU"]  # a laptop without a GPU trains on its CPU unasked
+    # In a copy of the folder, as a reader has it: the run writes its checkpoints there.
+    shutil.copytree(EXAMPLES_DIR / NAME, tmp_path / "template")
     result = subprocess.run(
         [sys.executable, *command.split()[1:]],
-        cwd=EXAMPLES_DIR / NAME,
+        cwd=tmp_path / "template",
         env=env,
         capture_output=True,
         text=True,
@@ -313,7 +316,7 @@ def test_a_model_of_another_kind_needs_only_the_readers_section(tmp_path):
     start = source.index("\n", start) + 1
     end = source.index("# ---- Training")
     (folder / "main.py").write_text(source[:start] + SEQUENCE_SECTION + source[end:])
-    launch = EXAMPLES[NAME]
+    launch = dataclasses.replace(EXAMPLES[NAME], val_samples=50, dataset=None)
 
     def run(checkpoints: str, **kwargs):
         env = {"CHECKPOINT_DIR": str(tmp_path / checkpoints)}
