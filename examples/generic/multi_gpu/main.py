@@ -288,7 +288,11 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
     # Validation counts each sample once: every world_size-th
     # sample, from the rank on, with no padding.
     shard = range(place.rank, len(valid_set), place.world_size)
-    valid_loader = DataLoader(Subset(valid_set, shard), shuffle=False, **options)
+    # The workers' seeds come from a generator of its own, which leaves torch's
+    # global random state to training alone (step 4 saves it in checkpoints).
+    valid_loader = DataLoader(
+        Subset(valid_set, shard), shuffle=False, generator=torch.Generator(), **options
+    )
     if len(train_loader) == 0:
         raise SystemExit(
             f"error: {len(train_set)} training samples make no batch of "

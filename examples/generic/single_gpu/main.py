@@ -255,7 +255,11 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset):
         generator=torch.Generator().manual_seed(args.seed),
         **options,
     )
-    valid_loader = DataLoader(valid_set, shuffle=False, **options)
+    # The workers' seeds come from a generator of its own, which leaves torch's
+    # global random state to training alone (step 4 saves it in checkpoints).
+    valid_loader = DataLoader(
+        valid_set, shuffle=False, generator=torch.Generator(), **options
+    )
     if len(train_loader) == 0:
         raise SystemExit(
             f"error: {len(train_set)} training samples make no batch of "
