@@ -38,7 +38,7 @@ EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 # processes do not divide, so any padding of the validation shards would show.
 MILA_SMOKE_ARGS = (
     "--synthetic-data", "--synthetic-size", "250", "--batch-size", "16",
-    "--epochs", "1", "--max-steps", "4",
+    "--epochs", "1", "--max-steps", "4", "--warmup-steps", "2", "--log-every", "2",
 )  # fmt: skip
 MILA_VAL_SAMPLES = 25
 # The Ibex examples read a generated TinyImageNet (tinyimagenet.py) of 5 classes x 5

@@ -38,14 +38,8 @@ SAVES = {
         lambda checkpoint: checkpoint["version"],
     ),
     "mila/checkpointing": (
-        "dist.init_process_group(\n"
-        '    "gloo", store=dist.HashStore(), rank=0, world_size=1\n'
-        ")\n"
-        "model = torch.nn.Linear(2, 2)\n"
-        "optimizer = torch.optim.AdamW(model.parameters())\n"
-        'progress = {"version": version, "extra": extra}\n'
-        "main.save_checkpoint(path, model, optimizer, progress, {})",
-        lambda checkpoint: checkpoint["progress"]["version"],
+        'main.save_atomically({"version": version, "extra": extra}, path)',
+        lambda checkpoint: checkpoint["version"],
     ),
 }
 NAIVE = 'torch.save({"version": version, "extra": extra}, path)'

@@ -32,31 +32,32 @@ pytestmark = pytest.mark.slurm
 FAIL_FAST = (
     60  # seconds: the longest a failing job may take to end, from submission or kill
 )
-# A long enough run of the generic checkpointing example to interrupt it three times: 8
-# epochs of ResNet-18 on small synthetic images, several seconds each on this cluster.
+# A long enough run of the generic checkpointing example to interrupt it three times:
+# 5 epochs of ResNet-18 on small synthetic images, 32 steps each per rank when the job
+# runs one task per node.
 SMALL_MODEL = (
     "--synthetic-data", "--synthetic-classes", "10", "--model", "resnet18",
-    "--image-size", "32", "--warmup-steps", "10", "--log-every", "10",
+    "--image-size", "32", "--warmup-steps", "10", "--log-every", "8",
 )  # fmt: skip
 LONG_RUN = (
     *SMALL_MODEL,
     "--epochs",
-    "8",
+    "5",
     "--synthetic-size",
-    "2048",
+    "1024",
     "--batch-size",
     "8",
 )
-# As many steps per rank, with one task per node: 2 ranks, whose gradient sum does not
-# depend on the order of its terms. With 3 or more, DDP's first step after every restart
-# adds them up in another order, so a resumed run may differ from an uninterrupted one
-# in the last bits (see the troubleshooting page, and test_concepts.py).
+# With one task per node: 2 ranks, whose gradient sum does not depend on the order of
+# its terms. With 3 or more, DDP's first step after every restart adds them up in
+# another order, so a resumed run may differ from an uninterrupted one in the last bits
+# (see the troubleshooting page, and test_concepts.py).
 EXACT_RUN = (
     *SMALL_MODEL,
     "--epochs",
-    "8",
+    "5",
     "--synthetic-size",
-    "1024",
+    "512",
     "--batch-size",
     "8",
 )
@@ -212,19 +213,14 @@ def test_a_preempted_mila_job_resumes_exactly(lab, tmp_path):
     # it saves. 2 nodes x 1 task: short, and exact (above).
     name = "mila/checkpointing"
     args = (
-        "--synthetic-data",
-        "--synthetic-size",
-        "600",
-        "--batch-size",
-        "16",
-        "--epochs",
-        "2",
-    )
+        "--synthetic-data", "--synthetic-size", "600", "--batch-size", "16",
+        "--epochs", "2", "--warmup-steps", "10", "--log-every", "5",
+    )  # fmt: skip
     options = ONE_TASK_PER_NODE
     plain = submit(lab, name, *args, workdir=tmp_path / "plain", options=options)
     job = submit(lab, name, *args, workdir=tmp_path / "preempted", options=options)
     output = tmp_path / "preempted" / f"slurm-{job}.out"
-    wait_until(lambda: "Train epoch 0:" in read(output), 180, "training")
+    wait_until(lambda: "epoch 0 step 5 |" in read(output), 180, "training")
     time.sleep(random.uniform(0.5, 2.0))
     subprocess.run(["scontrol", "requeue", job], env=lab.env(), check=True)
     restart_when_requeued(lab, job, 1)

@@ -21,7 +21,7 @@ from smoke import EXAMPLES, assert_bitwise_equal, numbers, run_example, unwrappe
 ARGS = {
     "mila/checkpointing": (
         "--synthetic-data", "--synthetic-size", "600", "--batch-size", "16",
-        "--epochs", "2",
+        "--epochs", "2", "--warmup-steps", "10", "--log-every", "5",
     ),
     "generic/checkpointing": (
         "--synthetic-data", "--synthetic-size", "1200", "--synthetic-classes", "10",
@@ -39,7 +39,7 @@ ARGS = {
 }  # fmt: skip
 # A line that each example prints once training has begun.
 TRAINING = {
-    "mila/checkpointing": "Train epoch 0:",
+    "mila/checkpointing": "epoch 0 step 5 |",
     "generic/checkpointing": "epoch 0 step 5 |",
     "generic/template": "epoch 0 step 5 |",
 }
@@ -179,7 +179,7 @@ def test_a_stop_during_validation_saves_at_once_and_validates_on_resumption(tmp_
         # has joined: a signal from now on can only be noticed during validation.
         deadline = time.monotonic() + 120
         while (
-            "Validating epoch 0" not in logs[0].read_text()
+            "Epoch 0: validation" not in logs[0].read_text()
             and time.monotonic() < deadline
         ):
             time.sleep(0.02)
@@ -190,7 +190,6 @@ def test_a_stop_during_validation_saves_at_once_and_validates_on_resumption(tmp_
     first = run_example(name, launch, args, env=env, while_running=stop_in_validation)
     assert first.ok, first.output
     text = unwrapped(first.output)
-    assert text.count("Validation of epoch 0 stopped") == 2, first.output
     assert "Epoch 0: val loss" not in text and "summary:" not in text
     assert text.count("Stopped at step 3, checkpoint saved") == 2, first.output
 

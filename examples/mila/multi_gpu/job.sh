@@ -17,7 +17,7 @@ echo "Hostname: $(hostname)"
 #   module load anaconda/3
 #   conda create -y -n pytorch python=3.11
 #   conda activate pytorch
-#   pip install torch==2.14.1 torchvision==0.29.1 rich tqdm
+#   pip install torch==2.14.1 torchvision==0.29.1
 # That torch is built for CUDA 13.0: it needs NVIDIA driver 580 or newer, and GPUs of
 # compute capability 7.5 or newer, such as the RTX 8000s asked for above.
 module --quiet purge

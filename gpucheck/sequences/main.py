@@ -1,0 +1,934 @@
+"""Step 5: the template to copy. Step 4, fast on GPUs, for long runs on many nodes.
+
+Over step 4:
+- bf16 autocast on GPUs of compute capability 8.0 and newer; channels_last for image
+  inputs and cuDNN's autotuner on GPUs; `--compile` for torch.compile;
+- pinned memory, so that copies to the GPU overlap its work;
+- gradient accumulation over --accumulation-steps micro-batches, fetched one at a time,
+  with DDP's no_sync() on all but the last;
+- a log line of samples/s and of the time spent waiting for data, which waits for the
+  GPU once per line, not once per step;
+- `--benchmark N`: samples/s of the input pipeline alone and of the training step
+  alone (the ceiling), instead of training.
+Checkpoints hold the accumulation's position: a run stops after a whole step.
+
+Try the job before the data is in place, as a run of its own name:
+`sbatch --job-name=trial job.sh --synthetic-data --max-steps 200`.
+"""
+
+import argparse
+import contextlib
+import gc
+import itertools
+import json
+import logging
+import math
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import models, transforms
+from torchvision.datasets import ImageFolder
+
+log = logging.getLogger(__name__)
+
+
+# ---- Your model and data: replace these for your own task ----------------------------
+
+
+def build_model(args, num_classes: int) -> nn.Module:
+    return SequenceClassifier(features=6, hidden=32, classes=num_classes)
+
+
+def make_datasets(args) -> tuple[Dataset, Dataset, int]:
+    return Sequences(args.synthetic_size, 0), Sequences(50, args.synthetic_size), 3
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(output, target)
+
+
+def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
+    inputs, target = batch
+    return inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
+
+
+def correct(output: Tensor, target: Tensor) -> Tensor:
+    return output.argmax(-1).eq(target).sum()
+
+
+class SequenceClassifier(nn.Module):
+    def __init__(self, features: int, hidden: int, classes: int):
+        super().__init__()
+        self.gru = nn.GRU(features, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0][:, -1])
+
+
+class Sequences(Dataset):
+    def __init__(self, length: int, first_seed: int):
+        self.length, self.first_seed = length, first_seed
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index: int):
+        label = index % 3
+        noise = torch.randn(12, 6, generator=torch.Generator().manual_seed(
+            self.first_seed + index))
+        return noise + label, label
+
+
+# ---- Training ------------------------------------------------------------------------
+
+
+def main():
+    args = parse_args()
+    place = setup(args.rendezvous_timeout)
+    device = get_device(place.local_rank)
+    # Plain lines with a time stamp: a batch job's output is a file.
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [{place.rank}/{place.world_size}] %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    log.info(f"Running on {socket.gethostname()}, device {device}")
+    # From here on, only rank 0 logs: every process holds the same numbers.
+    log.setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
+    log.info(f"Speed settings: {json.dumps(speed_settings(args, device))}")
+
+    train_set, valid_set, num_classes = make_datasets(args)
+    # DDP copies rank 0's initial weights to all: the seed matters on rank 0 only.
+    torch.manual_seed(args.seed)
+    layout = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = build_model(args, num_classes).to(device, memory_format=layout)
+    # DDP averages the gradients over the processes in backward(), so that every copy
+    # of the model takes the same step. `model.module` is the model inside.
+    model = DistributedDataParallel(
+        model, device_ids=[device] if device.type == "cuda" else None
+    )
+    # torch.compile splits DDP's graph at its gradient buckets, so that communication
+    # still overlaps the backward pass. The first steps compile.
+    model = torch.compile(model) if args.compile else model
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    loaders = make_loaders(args, train_set, valid_set, place)
+    if args.benchmark:
+        return benchmark(model, optimizer, loaders[0], args, place)
+    scheduler = make_scheduler(args, optimizer, steps_per_epoch(args, loaders[0]))
+    batch = args.batch_size * args.accumulation_steps  # per process and step
+    log.info(f"Global batch: {batch} x {place.world_size} = {batch * place.world_size}")
+    progress, train_log = Progress(), TrainLog(device, batch)
+    checkpoint = Checkpoint(args)
+    checkpoint.load(model.module, optimizer, scheduler, progress, train_log)
+    catch_stop_signals()
+    stopped_by = train(
+        args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint
+    )
+    if stopped_by:
+        log.warning(f"Stopped at step {progress.steps}, checkpoint saved")
+        # SIGUSR1 warns of the time limit: requeue. After SIGTERM, Slurm is ending the
+        # job already, and requeues it if it preempted it.
+        if stopped_by == signal.SIGUSR1 and place.rank == 0:
+            requeue(args.max_restarts)
+        return
+    # One plain line per process to grep from the job's output: the numbers agree.
+    summary = {
+        "rank": place.rank,
+        "world_size": place.world_size,
+        "host": socket.gethostname(),
+        **asdict(progress),
+        "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+    }
+    print(f"summary: {json.dumps(summary)}", flush=True)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=positive, default=90)
+    # The batch size per process and micro-batch: each optimizer step trains on
+    # batch_size * accumulation_steps * world_size samples in all.
+    parser.add_argument("--batch-size", type=positive, default=128)
+    parser.add_argument("--accumulation-steps", type=positive, default=1)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument(
+        "--warmup-steps", type=positive, default=500, help="in optimizer steps"
+    )
+    parser.add_argument("--weight-decay", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-steps", type=positive, default=None, help="stop after this many"
+    )
+    parser.add_argument(
+        "--log-every", type=positive, default=50, help="steps between log lines"
+    )
+    parser.add_argument("--model", default="resnet50", help="a torchvision model name")
+    parser.add_argument("--image-size", type=positive, default=224)
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=os.environ.get("DATA_DIR"),
+        help=(
+            "a folder with train/ and val/, one subfolder per class "
+            "(default: $DATA_DIR)"
+        ),
+    )
+    parser.add_argument(
+        "--synthetic-data",
+        action="store_true",
+        help="train on random images of the same shape instead of the dataset",
+    )
+    parser.add_argument("--synthetic-size", type=positive, default=100_000)
+    parser.add_argument("--synthetic-classes", type=positive, default=1000)
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="DataLoader workers per process (default: its CPUs, less one)",
+    )
+    parser.add_argument(
+        "--rendezvous-timeout",
+        type=float,
+        default=120,
+        help="seconds to wait for every process to join before giving up",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=Path(os.environ.get("CHECKPOINT_DIR", "checkpoints")),
+        help="storage that outlives the job (default: $CHECKPOINT_DIR, from job.sh)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=20,
+        help="requeue the job at most this often: a guard against a job that loops",
+    )
+    # Speed settings. By default each is on where it pays: on GPUs (bf16: of compute
+    # capability 8.0 and newer). --no-X turns one off, to measure what it buys.
+    for name in ("bf16", "channels-last", "cudnn-benchmark", "pin-memory"):
+        parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction)
+    parser.add_argument(
+        "--benchmark",
+        type=positive,
+        metavar="N",
+        help="time N batches of input, then N training steps, instead of training",
+    )
+    return parser.parse_args(argv)
+
+
+def positive(text: str) -> int:
+    """An argument that must be a whole number above zero,
+    or argparse stops with the reason."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+@dataclass
+class Progress:
+    """Where training stands, and the numbers the summary reports."""
+
+    epoch: int = 0  # the epoch under way; at the end, the number done
+    steps: int = 0  # optimizer steps taken in all
+    batches: int = 0  # batches of the epoch under way trained on
+    first_loss: float | None = None  # the mean loss of the first log line
+    last_loss: float | None = None  # and of the last
+    val_loss: float | None = None  # the last validation's results
+    val_accuracy: float | None = None
+    val_samples: int | None = None
+
+
+def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
+    """The DataLoaders: workers load and transform batches while the GPU computes."""
+    # Workers start from a fork server, a clean process, not by fork() of this one,
+    # whose process group runs threads. On Python up to 3.11.9, a fork while one of
+    # them holds the interpreter's lock leaves the worker deadlocked (gh-112275).
+    # The server imports torch once; its workers start at once.
+    multiprocessing.set_start_method("forkserver", force=True)
+    multiprocessing.set_forkserver_preload(["torch", "torchvision"])
+    start_fork_server()
+    workers = get_num_workers() if args.num_workers is None else args.num_workers
+    options = {
+        "batch_size": args.batch_size,
+        "num_workers": workers,
+        # Workers that stay from one epoch to the next keep their copy of the
+        # dataset: no new ones start, each copying it again, at every epoch.
+        "persistent_workers": workers > 0,
+        # Pinned (page-locked) memory lets a copy to the GPU run without blocking
+        # this process, which can queue the next step's work meanwhile.
+        "pin_memory": args.pin_memory,
+    }
+    # Each process trains on its own 1/world_size of every epoch, shuffled by the
+    # sampler. It pads the shares with repeated samples to make them equal.
+    sampler = ResumableSampler(train_set, shuffle=True, seed=args.seed)
+    # Each process seeds its own workers: with one seed everywhere, a random
+    # augmentation would draw the same numbers in every process.
+    train_loader = DataLoader(
+        train_set,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed + place.rank),
+        **options,
+    )
+    # Validation counts each sample once: every world_size-th
+    # sample, from the rank on, with no padding.
+    shard = range(place.rank, len(valid_set), place.world_size)
+    valid_loader = DataLoader(Subset(valid_set, shard), shuffle=False, **options)
+    if len(train_loader) < args.accumulation_steps:
+        raise SystemExit(
+            f"error: {len(train_set)} training samples make no optimizer step of "
+            f"{args.batch_size} x {args.accumulation_steps} per process, x "
+            f"{place.world_size} processes. Lower --batch-size or --accumulation-steps."
+        )
+    return train_loader, valid_loader
+
+
+def make_scheduler(args, optimizer, steps_per_epoch: int):
+    """A learning rate that rises linearly over --warmup-steps, then decays to zero
+    along a cosine, by the end of training."""
+    total = args.epochs * steps_per_epoch
+    total = total if args.max_steps is None else min(total, args.max_steps)
+    warmup = args.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        done = (step - warmup) / max(total - warmup, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train(args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint):
+    """Trains for --epochs, or --max-steps, and validates after every epoch; returns 0,
+    or the signal that stopped it before, once the checkpoint is saved."""
+    train_loader, valid_loader = loaders
+    device = next(model.parameters()).device
+    max_steps = math.inf if args.max_steps is None else args.max_steps
+    while progress.epoch < args.epochs and (
+        progress.steps < max_steps or progress.batches
+    ):
+        # Without set_epoch, the sampler would shuffle every epoch the same way.
+        train_loader.sampler.set_epoch(progress.epoch)
+        train_loader.sampler.skip = progress.batches * args.batch_size
+        model.train()
+        batches = iter(train_loader)
+        for _ in range(steps_per_epoch(args, train_loader)):
+            if progress.steps == max_steps:
+                break
+            loss = accumulate_gradients(model, batches, args, train_log)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.steps += 1
+            progress.batches += args.accumulation_steps
+            train_log.add(loss)
+            if progress.steps % args.log_every == 0:
+                log_line(progress, train_log, scheduler)
+            if stop := agree_to_stop(device):
+                checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
+                return stop
+        if train_log.steps:  # the steps since the last line, at the epoch's end
+            log_line(progress, train_log, scheduler)
+        log.info(f"Epoch {progress.epoch}: validation")
+        results = validate(model.module, valid_loader, device, args)
+        if results is None:  # a stop during validation: the next run validates
+            checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
+            return agree_to_stop(device)
+        for name, value in results.items():
+            setattr(progress, name, value)
+        log.info(
+            f"Epoch {progress.epoch}: val loss {progress.val_loss:.3f}, val accuracy "
+            f"{progress.val_accuracy:.2%} on {progress.val_samples} samples"
+        )
+        progress.epoch += 1
+        progress.batches = 0
+        checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
+        train_log.restart_clock()  # the next line counts training only
+    return 0
+
+
+class TrainLog:
+    """What the log reports: the mean loss over the steps since the last line, the
+    samples per second, and the share of that time spent waiting for data.
+
+    The losses stay on the device until a line is logged: a .item() on every step would
+    make this process wait for the GPU each time, instead of queueing the next step.
+    """
+
+    def __init__(self, device: torch.device, samples_per_step: int):
+        self.device, self.samples_per_step = device, samples_per_step
+        self.total = torch.zeros((), device=device)
+        self.steps = 0
+        self.restart_clock()
+
+    def restart_clock(self):
+        self.started, self.data_wait = time.perf_counter(), 0.0
+
+    def add(self, loss: Tensor):
+        self.total += loss.detach()
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def waiting_for_data(self):
+        begin = time.perf_counter()
+        yield
+        self.data_wait += time.perf_counter() - begin
+
+    def report(self) -> dict:
+        """The numbers since the last report, over all processes; starts anew."""
+        # The GPU may still run steps that this process queued: time them too.
+        synchronize(self.device)
+        elapsed = time.perf_counter() - self.started
+        rate, wait = (
+            self.steps * self.samples_per_step / elapsed,
+            self.data_wait / elapsed,
+        )
+        sums = torch.stack([self.total / self.steps, self.total.new_tensor(rate)])
+        sums = torch.cat([sums, self.total.new_tensor([wait])])
+        dist.all_reduce(sums)  # one collective per line, for all three
+        loss, total_rate, wait = sums.tolist()
+        world_size = dist.get_world_size()
+        self.total.zero_()
+        self.steps = 0
+        self.restart_clock()
+        return {
+            "loss": loss / world_size,
+            "samples_per_s": total_rate / world_size,
+            "total_samples_per_s": total_rate,
+            "data_wait": wait / world_size,
+        }
+
+
+def log_line(progress: Progress, train_log: TrainLog, scheduler):
+    report = train_log.report()
+    loss = report["loss"]
+    progress.first_loss = loss if progress.first_loss is None else progress.first_loss
+    progress.last_loss = loss
+    log.info(
+        f"epoch {progress.epoch} step {progress.steps} | loss {loss:.4f} | "
+        f"lr {scheduler.get_last_lr()[0]:.2e} | {report['samples_per_s']:.1f} "
+        f"samples/s per process, {report['total_samples_per_s']:.1f} in total | "
+        f"waiting for data {report['data_wait']:.0%}"
+    )
+
+
+@torch.no_grad()
+def validate(model: nn.Module, loader: DataLoader, device: torch.device, args):
+    """The mean loss and accuracy over every validation sample, and their count; or
+    None if a rank was told to stop: all check after each batch that all shards have."""
+    shard = len(loader.dataset.dataset) // dist.get_world_size()  # the smallest one
+    stop_checks = shard // loader.batch_size
+    # BatchNorm's running statistics are the one state that DDP leaves different:
+    # each process updated them with its own batches. Take rank 0's.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    model.eval()
+    # Sums, not means, so that a smaller last batch weighs exactly its size: loss,
+    # right predictions and samples, in float64 to keep the counts exact.
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for i, batch in enumerate(loader):
+        inputs, target = to_device(batch, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            output = model(memory_layout(inputs, args)).float()
+        n = len(target)
+        sums[0] += loss_fn(output, target).double() * n
+        sums[1] += correct(output, target)
+        sums[2] += n
+        if i < stop_checks and agree_to_stop(device):
+            return None
+    # Each process saw its own shard: add the sums up, and every process has them.
+    dist.all_reduce(sums)
+    loss, right, n = sums.tolist()
+    return {"val_loss": loss / n, "val_accuracy": right / n, "val_samples": int(n)}
+
+
+def speed_settings(args, device: torch.device) -> dict:
+    """Sets each speed setting that was left to its default (None) to what pays on this
+    device: on for GPUs, off for CPUs. Returns them all, for the log."""
+    cuda = device.type == "cuda"
+    bf16_ok = cuda and torch.cuda.get_device_capability(device) >= (8, 0)
+    if args.bf16 and not bf16_ok:
+        raise SystemExit(
+            "error: --bf16 asks for bf16 autocast, which needs a GPU of compute "
+            "capability 8.0 or newer (A100, H100, RTX 30xx and later); this process "
+            f"has {torch.cuda.get_device_name(device) if cuda else 'a CPU'}. Leave it "
+            "out to train in fp32."
+        )
+    for name, default in [("bf16", bf16_ok), ("channels_last", cuda),
+                          ("cudnn_benchmark", cuda), ("pin_memory", cuda),
+                          ("compile", False)]:  # fmt: skip
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    # cuDNN times several algorithms for each new input shape, then keeps the fastest.
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    settings = ("bf16", "channels_last", "cudnn_benchmark", "pin_memory", "compile")
+    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    return {"device": device_name, **{name: getattr(args, name) for name in settings}}
+
+
+def steps_per_epoch(args, train_loader: DataLoader) -> int:
+    """Optimizer steps in what is left of the epoch: whole steps of micro-batches."""
+    return len(train_loader) // args.accumulation_steps
+
+
+def memory_layout(inputs, args):
+    """Images channels last in memory (NHWC), the layout of the GPU's convolutions, when
+    channels_last is on; inputs that are not images (not 4-D) as they are."""
+    if args.channels_last and isinstance(inputs, Tensor) and inputs.dim() == 4:
+        return inputs.contiguous(memory_format=torch.channels_last)
+    return inputs
+
+
+def accumulate_gradients(model, batches, args, train_log: TrainLog) -> Tensor:
+    """Forward and backward over --accumulation-steps micro-batches, taken from
+    `batches` one at a time; returns their mean loss, on the device.
+
+    The gradients add up. DDP averages them over the processes in the backward pass of
+    the last micro-batch only: inside no_sync(), it keeps them local.
+    """
+    device = next(model.parameters()).device
+    total = torch.zeros((), device=device)
+    for i in range(args.accumulation_steps):
+        with train_log.waiting_for_data():
+            inputs, target = to_device(next(batches), device)
+        last = i == args.accumulation_steps - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            # Autocast covers the forward pass; backward runs in its precisions.
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                loss = loss_fn(model(memory_layout(inputs, args)), target)
+            # Each micro-batch weighs 1/n: the sum is the mean over the whole batch.
+            (loss / args.accumulation_steps).backward()
+        total += loss.detach()
+    return total / args.accumulation_steps
+
+
+def benchmark(model, optimizer, loader: DataLoader, args, place):
+    """Prints the samples/s of the input pipeline alone, then of the training step
+    alone, on one batch already on the device: the ceiling, which no input pipeline can
+    beat. Training runs at about the smaller of the two."""
+    device, n = next(model.parameters()).device, args.benchmark
+    # Untimed: the workers start, and the batches they prefetch (two each) are taken,
+    # so that the timed ones are those the workers make while they are timed.
+    untimed = max(2 * loader.num_workers, 1)
+    if len(loader) < untimed + n:
+        raise SystemExit(
+            f"error: --benchmark {n} times {n} batches after {untimed} untimed ones, "
+            f"but the training set has {len(loader)} batches of {loader.batch_size}. "
+            "Ask for fewer."
+        )
+    batches = iter(loader)
+    for _ in range(untimed):
+        inputs, target = to_device(next(batches), device)
+    rates = {}
+    synchronize(device)
+    begin = time.perf_counter()
+    for _ in range(n):
+        to_device(next(batches), device)
+    synchronize(device)
+    rates["input_samples_per_s"] = n * loader.batch_size / (time.perf_counter() - begin)
+    del batches
+    model.train()
+    for timed in (False, True):  # untimed first: the autotuner and compiling
+        synchronize(device)
+        begin = time.perf_counter()
+        for _ in range(n if timed else 3):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                loss = loss_fn(model(memory_layout(inputs, args)), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+    rates["step_samples_per_s"] = n * loader.batch_size / (time.perf_counter() - begin)
+    record = {**speed_settings(args, device), "num_workers": loader.num_workers}
+    record.update(rates, rank=place.rank, world_size=place.world_size)
+    record.update(model=args.model, image_size=args.image_size)
+    record["batch_size"] = args.batch_size
+    if device.type == "cuda":
+        record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    print(f"benchmark: {json.dumps(record)}", flush=True)
+
+
+def synchronize(device: torch.device):
+    """Waits for the GPU to finish the work queued so far."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# The signal that asked this process to stop, or 0. The handler only notes it: the
+# training loop acts on it between steps, where every rank can stop at the same point.
+stop_signal = 0
+
+
+def note_stop_signal(signum, frame):
+    global stop_signal
+    # SIGTERM wins over SIGUSR1: the job is ending anyway, and a requeue would fail.
+    stop_signal = max(stop_signal, signum)
+
+
+def catch_stop_signals():
+    """From here on there is progress to lose: on SIGUSR1 or SIGTERM, stop and save."""
+    signal.signal(signal.SIGUSR1, note_stop_signal)
+    signal.signal(signal.SIGTERM, note_stop_signal)
+
+
+def agree_to_stop(device: torch.device) -> int:
+    """The stop signal that any rank received, or 0. All ranks get the same answer."""
+    flag = torch.tensor([stop_signal], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag)
+
+
+def start_fork_server():
+    """Starts the process that DataLoader workers are forked from, with the stop
+    signals blocked, and so its workers: Slurm signals every process of a step, and a
+    worker that died of one would fail this process before it could save."""
+    stop_signals = {signal.SIGTERM, signal.SIGUSR1}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    try:
+        # The fork server needs multiprocessing's resource tracker, whose start unblocks
+        # SIGTERM again: start the tracker first, then block once more.
+        multiprocessing.resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way: it skips the samples
+    that the interrupted run already trained on, in the epoch's same order."""
+
+    skip = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self):
+        return max(self.num_samples - self.skip, 0)
+
+
+# The settings that shape training: a checkpoint written with others is another run's.
+SETTINGS = (
+    "model", "image_size", "synthetic_data", "synthetic_size", "synthetic_classes",
+    "batch_size", "accumulation_steps", "learning_rate", "warmup_steps",
+    "weight_decay", "seed",
+)  # fmt: skip
+
+
+class Checkpoint:
+    """The run's checkpoint: one file with all it takes to continue exactly."""
+
+    def __init__(self, args):
+        self.path = args.checkpoint_dir / "checkpoint.pt"
+        self.settings = {name: getattr(args, name) for name in SETTINGS}
+
+    def save(self, model, optimizer, scheduler, progress, train_log):
+        """Writes the checkpoint, with each rank's random state and unlogged losses."""
+        mine = {"cpu_rng": torch.get_rng_state(), "losses": train_log.total.cpu()}
+        mine["losses_steps"] = train_log.steps
+        if use_gpus():
+            mine["cuda_rng"] = torch.cuda.get_rng_state()
+        ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, ranks, dst=0)
+        if dist.get_rank() == 0:
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "progress": asdict(progress),
+                "settings": self.settings,
+                "ranks": ranks,
+            }
+            save_atomically(state, self.path)
+        # No rank goes on, or exits, before the file is complete.
+        dist.barrier()
+
+    def load(self, model, optimizer, scheduler, progress, train_log):
+        """Restores the checkpoint, if there is one, with this rank's own state."""
+        if not self.path.exists():
+            return
+        # weights_only: tensors and plain containers only. A
+        # full unpickler would run whatever code the file names.
+        state = torch.load(self.path, map_location="cpu", weights_only=True)
+        self.check(state)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        vars(progress).update(state["progress"])
+        mine = state["ranks"][dist.get_rank()]
+        torch.set_rng_state(mine["cpu_rng"])
+        if use_gpus() and "cuda_rng" in mine:
+            torch.cuda.set_rng_state(mine["cuda_rng"])
+        train_log.total.copy_(mine["losses"])
+        train_log.steps = mine["losses_steps"]
+        log.info(f"Resumed from {self.path} at step {progress.steps}")
+
+    def check(self, state: dict):
+        """Stops with the cause when the checkpoint belongs to another run."""
+        written_by, world_size = len(state["ranks"]), dist.get_world_size()
+        if written_by != world_size:
+            raise SystemExit(
+                f"error: {self.path} was written by {written_by} processes, and this "
+                f"job has {world_size}. Resume with the same number of tasks, or give "
+                "a new --checkpoint-dir to start over."
+            )
+        if state["settings"] != self.settings:
+            changes = ", ".join(
+                f"--{name.replace('_', '-')} {state['settings'].get(name)} -> {value}"
+                for name, value in self.settings.items()
+                if state["settings"].get(name) != value
+            )
+            raise SystemExit(
+                f"error: {self.path} belongs to a run with other settings ({changes}). "
+                "Resume with the same settings, or start a new run: another "
+                f"--job-name, or delete {self.path.parent}."
+            )
+
+
+def save_atomically(state: dict, path: Path):
+    """Writes `state` to `path` so that a reader finds the old file or the new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        # On disk before the rename, so that a crash of the
+        # node cannot leave an empty file.
+        f.flush()
+        os.fsync(f.fileno())
+    # A rename within one folder replaces the old file in one step.
+    os.replace(tmp, path)
+    # The rename is a change to the folder: on disk too, or a crash can undo it.
+    folder = os.open(path.parent, os.O_RDONLY)
+    os.fsync(folder)
+    os.close(folder)
+
+
+def requeue(max_restarts: int):
+    """Puts this job back in the queue: Slurm ends it now and starts it again later.
+    Not after `max_restarts`: a job that cannot finish would loop for good."""
+    job_id = os.environ["SLURM_JOB_ID"]
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
+    if restarts >= max_restarts:
+        raise SystemExit(
+            f"error: job {job_id} is not requeued: it has started {restarts + 1} "
+            f"times, and --max-restarts is {max_restarts}. {resubmit}"
+        )
+    log.info(f"Requeueing job {job_id}")
+    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
+    result = subprocess.run(["scontrol", "requeue", job_id])
+    # The requeue ends every process of the job, scontrol included: SIGTERM is success.
+    if result.returncode not in (0, -signal.SIGTERM):
+        raise SystemExit(
+            f"error: `scontrol requeue {job_id}` failed, so the job will not start "
+            f"again by itself. {resubmit}"
+        )
+
+
+# ---- Plumbing: the same in every example (tests/test_examples.py checks it) ----------
+
+
+class Place(NamedTuple):
+    """Where this process stands in the job."""
+
+    rank: int  # its number among all processes, from 0
+    local_rank: int  # its number among the processes of its node: picks its GPU
+    world_size: int  # the number of processes
+
+
+def setup(rendezvous_timeout: float = 120) -> Place:
+    """Joins the process group, whoever started this process: srun, torchrun, or none.
+
+    RANK, LOCAL_RANK and WORLD_SIZE are set for libraries that read them, as torchrun
+    sets them. Under srun, joining waits at most `rendezvous_timeout` seconds: the
+    group's own timeout also bounds every collective, 10 minutes for NCCL and 30 for
+    gloo by default.
+    """
+    place, launcher = find_place()
+    os.environ.update(
+        RANK=str(place.rank),
+        LOCAL_RANK=str(place.local_rank),
+        WORLD_SIZE=str(place.world_size),
+    )
+    backend = "nccl" if use_gpus() else "gloo"
+    if launcher == "torchrun":
+        # torchrun's rendezvous is done: env:// meets its store.
+        dist.init_process_group(backend)
+        return place
+    if launcher == "single process":
+        store = dist.HashStore()  # no other process to meet
+    else:
+        store = rendezvous(place, rendezvous_timeout)
+    dist.init_process_group(
+        backend, store=store, rank=place.rank, world_size=place.world_size
+    )
+    return place
+
+
+def find_place() -> tuple[Place, str]:
+    """This process's place, from the variables of the launcher that started it."""
+    env = os.environ
+    launch = "Start one process per task with `srun python main.py` (job.sh does)"
+    variables = {
+        "torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
+        # Only a task that srun started has SLURM_STEP_NUM_TASKS. The batch script
+        # has SLURM_PROCID=0 and the job's SLURM_NTASKS too, but no step.
+        "srun": (
+            "SLURM_PROCID",
+            "SLURM_LOCALID",
+            "SLURM_NTASKS",
+            "SLURM_STEP_NUM_TASKS",
+        ),
+    }
+    for launcher, names in variables.items():
+        if all(name in env for name in names):
+            place = Place(*(int(env[name]) for name in names[:3]))
+            if not 0 <= place.rank < place.world_size:
+                raise SystemExit(
+                    f"error: rank {place.rank} does not fit a world of "
+                    f"{place.world_size}: {launcher}'s variables were set or changed "
+                    f"by hand. {launch}."
+                )
+            return place, launcher
+    if int(env.get("SLURM_NTASKS", "1")) > 1:
+        raise SystemExit(
+            "error: main.py was started by the batch script, not by srun. The job has "
+            f"{env['SLURM_NTASKS']} task(s); without srun only this process runs, and "
+            f"it would wait forever for the others. {launch}."
+        )
+    if found := [name for name in ("RANK", "OMPI_COMM_WORLD_RANK") if name in env]:
+        raise SystemExit(
+            f"error: cannot tell this process's rank (found {', '.join(found)}). "
+            "main.py reads RANK, LOCAL_RANK, WORLD_SIZE (torchrun) or SLURM_PROCID, "
+            "SLURM_LOCALID, SLURM_NTASKS (srun), or none of them (a single process)."
+        )
+    return Place(0, 0, 1), "single process"
+
+
+def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
+    """The store where srun's tasks meet: rank 0 serves it at MASTER_ADDR:MASTER_PORT,
+    which job.sh exports, and the others connect."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise SystemExit(
+                f"error: {name} is not set. job.sh exports MASTER_ADDR and MASTER_PORT "
+                "before srun; export them too when you launch by hand."
+            )
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    host = socket.gethostname()
+    try:
+        return dist.TCPStore(
+            address, port, place.world_size, is_master=place.rank == 0,
+            timeout=timedelta(seconds=timeout),
+        )  # fmt: skip
+    except dist.DistError as error:
+        if "EADDRINUSE" in str(error):
+            raise SystemExit(
+                f"error: rank 0 cannot listen on port {port} of {host}: another "
+                "process holds it. job.sh derives MASTER_PORT from the job ID; a port "
+                "fixed by hand collides with other jobs on the node. Pick another, "
+                "from 10000-19999."
+            ) from None
+        raise SystemExit(
+            f"error: rank {place.rank} on {host} waited {timeout:.0f} s for the "
+            f"rendezvous at {address}:{port}, and not all {place.world_size} processes "
+            "joined. Rank 0 must run on MASTER_ADDR (the job's first node): check that "
+            "the node is up, that its task started, and that MASTER_ADDR names it.\n"
+            f"({type(error).__name__}: {str(error).splitlines()[0]})"
+        ) from None
+
+
+def use_gpus() -> bool:
+    """True to train on GPUs with NCCL, False to train on CPUs with gloo.
+
+    A task that Slurm gave GPUs must use them: when CUDA does not
+    work there, stop at once rather than train on CPUs for hours.
+    TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
+    """
+    if os.environ.get("TRAIN_ON_CPU") == "1":
+        return False
+    if torch.cuda.is_available():
+        return True
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus not in ("", "0") or visible not in ("", "-1", "NoDevFiles"):
+        raise SystemExit(
+            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, "
+            f"CUDA_VISIBLE_DEVICES={visible}), but torch {torch.__version__} cannot "
+            "use them. Likely causes: a torch build without CUDA; an NVIDIA driver "
+            "older than the build needs (compare `nvidia-smi` with CUDA "
+            f"{torch.version.cuda}); a container started without its GPUs (apptainer "
+            "--nv). To train on CPUs anyway, set TRAIN_ON_CPU=1."
+        )
+    return False
+
+
+def get_device(local_rank: int) -> torch.device:
+    """This process's GPU, made its current device; or the
+    CPU when not training on GPUs.
+
+    Slurm may show a task every GPU of its node, or only its own
+    (--gpu-bind, often with --gpus-per-task, or a MIG slice). One rule
+    fits both: a process that sees one GPU takes it, and a process that
+    sees several takes the one at its local rank, its place on its node.
+    """
+    if not use_gpus():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    index = 0 if visible == 1 else local_rank
+    if index >= visible:
+        raise SystemExit(
+            f"error: the process of local rank {local_rank} sees {visible} GPUs, none "
+            "of them its own. Ask for a GPU per process: as many GPUs per node as "
+            "processes per node."
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def get_num_workers() -> int:
+    """DataLoader workers: this process's share of its
+    task's CPUs, less one for the process."""
+    # The CPUs that Slurm bound the task to. Where a site does not
+    # bind tasks to CPUs, that is the whole node: keep to what the
+    # job asked for as well. (macOS has no affinity: all its CPUs.)
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    if "SLURM_CPUS_PER_TASK" in os.environ:
+        cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    # torchrun's processes share their task's CPUs.
+    return max(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
+
+
+if __name__ == "__main__":
+    main()
+    # The DDP model sits in reference cycles that keep the process group
+    # alive. Collect them now, while Python can still run the group's
+    # threads down cleanly: left to the interpreter's exit, gloo's
+    # threads abort the process (exit code 134) after a successful run.
+    gc.collect()
+    dist.destroy_process_group()
