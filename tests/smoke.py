@@ -45,15 +45,9 @@ MILA_VAL_SAMPLES = 25
 # validation images; these arguments just keep the run short. One worker per process,
 # which 2 processes per task would not get from 2 CPUs.
 IBEX_SMOKE_ARGS = (
-    "--epochs",
-    "1",
-    "--max-steps",
-    "3",
-    "--batch-size",
-    "8",
-    "--num-workers",
-    "1",
-)
+    "--epochs", "1", "--max-steps", "3", "--batch-size", "8", "--num-workers", "1",
+    "--warmup-steps", "2", "--log-every", "1",
+)  # fmt: skip
 IBEX_VAL_SAMPLES = 25
 # The generic line and its launcher variants: ResNet-18 on 32x32 crops of a generated
 # image folder (tinyimagenet.py) of 5 classes, 130 training and 25 validation images.

@@ -1,19 +1,24 @@
 """DDP image classification on TinyImageNet, one process per GPU, started by torchrun.
 
 The first Ibex step: the GPUs of one node. torchrun, started once per node by srun,
-starts one process per GPU and gives each its place in LOCAL_RANK, RANK and WORLD_SIZE.
-The data is TinyImageNet (200 classes of 64x64 images) read from its folder with
-ImageFolder, and its validation set from the annotations file it comes with.
+starts one process per GPU and gives each its place in LOCAL_RANK, RANK and WORLD_SIZE,
+which setup() reads. The data is TinyImageNet (200 classes of 64x64 images) read from
+its folder with ImageFolder, and its validation set from the annotations file it
+comes with.
 """
 
 import argparse
 import gc
 import json
 import logging
+import math
 import multiprocessing
 import os
 import socket
+from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,26 +32,169 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import default_loader
 from torchvision.models import resnet18
 
-# TinyImageNet's images are ImageNet crops: normalise with
-# ImageNet's channel statistics.
-TRANSFORM = transforms.Compose(
-    [
-        transforms.ToTensor(),
-        transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
-    ]
-)
+log = logging.getLogger(__name__)
+
+
+# ---- Your model and data: replace these for your own task ----------------------------
+
+
+def build_model(args, num_classes: int) -> nn.Module:
+    """The network to train: ResNet-18."""
+    return resnet18(num_classes=num_classes)
+
+
+def make_datasets(args) -> tuple[Dataset, Dataset, int]:
+    """TinyImageNet's training set (one folder per class), its validation set (one
+    annotated folder), and the number of classes."""
+    if args.synthetic_data:
+        train = SyntheticImages(args.synthetic_size, 200, 64, first_seed=0)
+        valid = SyntheticImages(
+            max(args.synthetic_size // 50, 1), 200, 64, first_seed=-1
+        )
+        return train, valid, 200
+    data_dir = args.data_dir
+    if data_dir is None or not (data_dir / "val" / "val_annotations.txt").is_file():
+        raise SystemExit(
+            f"error: TinyImageNet not found in {data_dir}: expected train/ and "
+            "val/val_annotations.txt there. job.sh sets DATA_DIR; pass --data-dir to "
+            "override.\nTo try the job without the dataset, add --synthetic-data."
+        )
+    # TinyImageNet's images are ImageNet crops: normalise with ImageNet's statistics.
+    transform = transforms.Compose(
+        [
+            transforms.ToTensor(),
+            transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+        ]
+    )
+    train = ImageFolder(data_dir / "train", transform=transform)
+    valid = TinyImageNetVal(data_dir / "val", train.class_to_idx, transform)
+    return train, valid, len(train.classes)
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    """The loss to minimise: a mean over the batch's samples."""
+    return F.cross_entropy(output, target)
+
+
+def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A batch of the loader, as (the model's input, the target), on the device."""
+    inputs, target = batch
+    return inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
+
+
+def correct(output: Tensor, target: Tensor) -> Tensor:
+    """The validation metric, summed over the batch: right predictions."""
+    return output.argmax(-1).eq(target).sum()
+
+
+class TinyImageNetVal(Dataset):
+    """TinyImageNet's validation set, read as it ships.
+
+    Its images are not in class folders, which ImageFolder needs, but all
+    in val/images/, with each image's class in val/val_annotations.txt:
+    file name, class ID (a WordNet ID such as n01443537), then a bounding
+    box. The labels follow the training set's class indices.
+    """
+
+    def __init__(self, val_dir: Path, class_to_idx: dict[str, int], transform):
+        self.transform = transform
+        self.samples = []
+        for line in (val_dir / "val_annotations.txt").read_text().splitlines():
+            file_name, wnid = line.split("\t")[:2]
+            self.samples.append((val_dir / "images" / file_name, class_to_idx[wnid]))
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path, label = self.samples[index]
+        return self.transform(default_loader(path)), label
+
+
+class SyntheticImages(Dataset):
+    """Random images of TinyImageNet's shape after its transforms: 3 x 64 x 64.
+
+    Each class has its own tint, so the loss falls as in a real run. Image `i` comes
+    from its own seed: the same in every epoch and every process.
+    """
+
+    def __init__(self, length: int, classes: int, size: int, first_seed: int):
+        self.length, self.classes, self.size = length, classes, size
+        self.first_seed = first_seed
+        tints = torch.Generator().manual_seed(0)
+        self.tints = torch.randn(classes, 3, 1, 1, generator=tints)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index: int):
+        label = index % self.classes
+        generator = torch.Generator().manual_seed(self.first_seed + index)
+        noise = torch.randn(3, self.size, self.size, generator=generator)
+        return 0.5 * noise + self.tints[label], label
+
+
+# ---- Training ------------------------------------------------------------------------
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=0.001)
-    # The batch size per process: each step trains on batch_size * world_size images.
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument(
-        "--max-steps", type=int, default=None, help="stop after this many steps"
+    args = parse_args()
+    place = setup(args.rendezvous_timeout)
+    device = get_device(place.local_rank)
+    # Plain lines with a time stamp: a batch job's output is a file.
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [{place.rank}/{place.world_size}] %(message)s",
+        datefmt="%H:%M:%S",
     )
+    log.info(f"Running on {socket.gethostname()}, device {device}")
+    # From here on, only rank 0 logs: every process holds the same numbers.
+    log.setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
+
+    train_set, valid_set, num_classes = make_datasets(args)
+    # DDP copies rank 0's initial weights to all: the seed matters on rank 0 only.
+    torch.manual_seed(args.seed)
+    model = build_model(args, num_classes).to(device)
+    # DDP averages the gradients over the processes in backward(), so that every copy
+    # of the model takes the same step. `model.module` is the model inside.
+    model = DistributedDataParallel(
+        model, device_ids=[device] if device.type == "cuda" else None
+    )
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    loaders = make_loaders(args, train_set, valid_set, place)
+    scheduler = make_scheduler(args, optimizer, len(loaders[0]))
+    global_batch = args.batch_size * place.world_size
+    log.info(f"Global batch: {args.batch_size} x {place.world_size} = {global_batch}")
+    progress, train_log = Progress(), TrainLog(device)
+    train(args, model, optimizer, scheduler, loaders, progress, train_log)
+    # One plain line per process to grep from the job's output: the numbers agree.
+    summary = {
+        "rank": place.rank,
+        "world_size": place.world_size,
+        "host": socket.gethostname(),
+        **asdict(progress),
+    }
+    print(f"summary: {json.dumps(summary)}", flush=True)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=positive, default=10)
+    parser.add_argument("--batch-size", type=positive, default=64, help="per process")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument(
+        "--warmup-steps", type=positive, default=100, help="in optimizer steps"
+    )
+    parser.add_argument("--weight-decay", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-steps", type=positive, default=None, help="stop after this many"
+    )
+    parser.add_argument(
+        "--log-every", type=positive, default=50, help="steps between log lines"
+    )
     parser.add_argument(
         "--data-dir",
         type=Path,
@@ -54,134 +202,313 @@ def main():
         help="TinyImageNet's folder, with train/ and val/ (default: $DATA_DIR)",
     )
     parser.add_argument(
+        "--synthetic-data",
+        action="store_true",
+        help="train on random images of TinyImageNet's shape instead of the dataset",
+    )
+    parser.add_argument("--synthetic-size", type=positive, default=100_000)
+    parser.add_argument(
         "--num-workers",
         type=int,
         default=None,
-        help=(
-            "DataLoader workers per process "
-            "(default: the task's CPUs shared by its processes)"
-        ),
+        help="DataLoader workers per process (default: its CPUs, less one)",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--rendezvous-timeout",
+        type=float,
+        default=120,
+        help="seconds to wait for every process to join before giving up",
+    )
+    return parser.parse_args(argv)
 
-    rank, local_rank, world_size = setup()
-    is_master = rank == 0
-    device = get_device(local_rank)
-    logging.basicConfig(level=logging.INFO, format=f"[{rank}/{world_size}] %(message)s")
-    logger = logging.getLogger(__name__)
-    logger.info(f"Running on {socket.gethostname()}, device {device}")
 
-    train_dataset, valid_dataset = make_datasets(args.data_dir)
-    train_sampler = DistributedSampler(train_dataset, shuffle=True, seed=args.seed)
-    # Exact validation: each process takes every world_size-th
-    # image, with no padding, so that every image counts once.
-    # DistributedSampler would repeat some to even out the shards.
-    valid_shard = Subset(valid_dataset, range(rank, len(valid_dataset), world_size))
-    # DataLoader workers start from a fork server, a clean process, rather than by
-    # fork() of this one. The process group's threads enter Python briefly now and then;
-    # on Python up to 3.11.9, a fork at such a moment leaves the worker deadlocked
-    # before it starts. (It is Python 3.14's default.) The server imports torch once,
-    # and its workers start at once.
+def positive(text: str) -> int:
+    """An argument that must be a whole number above zero,
+    or argparse stops with the reason."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+@dataclass
+class Progress:
+    """Where training stands, and the numbers the summary reports."""
+
+    epoch: int = 0  # the epoch under way; at the end, the number done
+    steps: int = 0  # optimizer steps taken in all
+    first_loss: float | None = None  # the mean loss of the first log line
+    last_loss: float | None = None  # and of the last
+    val_loss: float | None = None  # the last validation's results
+    val_accuracy: float | None = None
+    val_samples: int | None = None
+
+
+def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
+    """The DataLoaders: workers load and transform batches while the GPU computes."""
+    # Workers start from a fork server, a clean process, not by fork() of this one,
+    # whose process group runs threads. On Python up to 3.11.9, a fork while one of
+    # them holds the interpreter's lock leaves the worker deadlocked (gh-112275).
+    # The server imports torch once; its workers start at once.
     multiprocessing.set_start_method("forkserver", force=True)
     multiprocessing.set_forkserver_preload(["torch", "torchvision"])
-    num_workers = (
-        args.num_workers if args.num_workers is not None else get_num_workers()
-    )
+    workers = get_num_workers() if args.num_workers is None else args.num_workers
+    options = {
+        "batch_size": args.batch_size,
+        "num_workers": workers,
+        # Workers that stay from one epoch to the next keep their copy of the
+        # dataset: no new ones start, each copying it again, at every epoch.
+        "persistent_workers": workers > 0,
+    }
+    # Each process trains on its own 1/world_size of every epoch, shuffled by the
+    # sampler. It pads the shares with repeated samples to make them equal.
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     # Each process seeds its own workers: with one seed everywhere, a random
     # augmentation would draw the same numbers in every process.
-    train_dataloader = DataLoader(
-        train_dataset,
-        batch_size=args.batch_size,
-        sampler=train_sampler,
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda",
-        generator=torch.Generator().manual_seed(args.seed + rank),
+    train_loader = DataLoader(
+        train_set,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed + place.rank),
+        **options,
     )
-    valid_dataloader = DataLoader(
-        valid_shard, batch_size=args.batch_size, num_workers=num_workers
+    # Validation counts each sample once: every world_size-th
+    # sample, from the rank on, with no padding.
+    shard = range(place.rank, len(valid_set), place.world_size)
+    # The workers' seeds come from a generator of its own, which leaves torch's
+    # global random state to training alone (step 4 saves it in checkpoints).
+    valid_loader = DataLoader(
+        Subset(valid_set, shard), shuffle=False, generator=torch.Generator(), **options
     )
-    if is_master:
-        logger.info(
-            f"{len(train_dataset.classes)} classes, {len(train_dataset)} training and "
-            f"{len(valid_dataset)} validation images, {num_workers} DataLoader workers "
-            f"per process, effective batch size {args.batch_size * world_size}"
+    if len(train_loader) == 0:
+        raise SystemExit(
+            f"error: {len(train_set)} training samples make no batch of "
+            f"{args.batch_size}. Lower --batch-size."
         )
+    return train_loader, valid_loader
 
-    torch.manual_seed(args.seed)
-    model = resnet18(num_classes=len(train_dataset.classes)).to(device)
-    model = DistributedDataParallel(
-        model, device_ids=[device] if device.type == "cuda" else None
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
-    step = 0
-    first_loss = None
-    for epoch in range(args.epochs):
-        # Without set_epoch, the sampler would shuffle the
-        # data the same way in every epoch.
-        train_sampler.set_epoch(epoch)
+def make_scheduler(args, optimizer, steps_per_epoch: int):
+    """A learning rate that rises linearly over --warmup-steps, then decays to zero
+    along a cosine, by the end of training."""
+    total = args.epochs * steps_per_epoch
+    total = total if args.max_steps is None else min(total, args.max_steps)
+    warmup = args.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        done = (step - warmup) / max(total - warmup, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train(args, model, optimizer, scheduler, loaders, progress, train_log):
+    """Trains for --epochs, or --max-steps, and validates after every epoch."""
+    train_loader, valid_loader = loaders
+    device = next(model.parameters()).device
+    max_steps = math.inf if args.max_steps is None else args.max_steps
+    while progress.epoch < args.epochs and progress.steps < max_steps:
+        # Without set_epoch, the sampler would shuffle every epoch the same way.
+        train_loader.sampler.set_epoch(progress.epoch)
         model.train()
-        for x, y in train_dataloader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            logits: Tensor = model(x)
-            loss = F.cross_entropy(logits, y)
-            optimizer.zero_grad()
+        for batch in train_loader:
+            if progress.steps == max_steps:
+                break
+            inputs, target = to_device(batch, device)
+            loss = loss_fn(model(inputs), target)
+            optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-
-            loss, accuracy = reduce_train_metrics(loss, logits, y)
-            first_loss = loss.item() if first_loss is None else first_loss
-            step += 1
-            if is_master and step % 50 == 0:
-                logger.info(
-                    f"step {step}: loss {loss.item():.3f}, accuracy "
-                    f"{accuracy.item():.2%}"
-                )
-            if step == args.max_steps:
-                break
-        val_loss, val_accuracy, val_samples = validation_loop(
-            model.module, valid_dataloader, device
+            scheduler.step()
+            progress.steps += 1
+            train_log.add(loss)
+            if progress.steps % args.log_every == 0:
+                log_line(progress, train_log, scheduler)
+        if train_log.steps:  # the steps since the last line, at the epoch's end
+            log_line(progress, train_log, scheduler)
+        log.info(f"Epoch {progress.epoch}: validation")
+        results = validate(model.module, valid_loader, device)
+        for name, value in results.items():
+            setattr(progress, name, value)
+        log.info(
+            f"Epoch {progress.epoch}: val loss {progress.val_loss:.3f}, val accuracy "
+            f"{progress.val_accuracy:.2%} on {progress.val_samples} samples"
         )
-        if is_master:
-            logger.info(
-                f"Epoch {epoch}: val loss {val_loss:.3f}, val accuracy "
-                f"{val_accuracy:.2%} on {val_samples} images"
-            )
-        if step == args.max_steps:
-            break
+        progress.epoch += 1
 
-    # One plain line per process to grep from the job's
-    # output: the numbers should agree.
-    summary = {
-        "rank": rank,
-        "world_size": world_size,
-        "host": socket.gethostname(),
-        "steps": step,
-        "first_loss": first_loss,
-        "last_loss": loss.item(),
-        "val_loss": val_loss,
-        "val_accuracy": val_accuracy,
-        "val_samples": val_samples,
+
+class TrainLog:
+    """What the log reports: the mean loss over the steps since the last line.
+
+    The losses stay on the device until a line is logged: a .item() on every step would
+    make this process wait for the GPU each time, instead of queueing the next step.
+    """
+
+    def __init__(self, device: torch.device):
+        self.total = torch.zeros((), device=device)
+        self.steps = 0
+
+    def add(self, loss: Tensor):
+        self.total += loss.detach()
+        self.steps += 1
+
+    def report(self) -> dict:
+        """The numbers since the last report, over all processes; starts anew."""
+        mean = self.total / self.steps
+        dist.all_reduce(mean)  # a sum over the processes: every one gets it
+        mean = mean.item() / dist.get_world_size()
+        self.total.zero_()
+        self.steps = 0
+        return {"loss": mean}
+
+
+def log_line(progress: Progress, train_log: TrainLog, scheduler):
+    loss = train_log.report()["loss"]
+    progress.first_loss = loss if progress.first_loss is None else progress.first_loss
+    progress.last_loss = loss
+    log.info(
+        f"epoch {progress.epoch} step {progress.steps} | loss {loss:.4f} | "
+        f"lr {scheduler.get_last_lr()[0]:.2e}"
+    )
+
+
+@torch.no_grad()
+def validate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict:
+    """The mean loss and accuracy over every validation sample, and their count."""
+    # BatchNorm's running statistics are the one state that DDP leaves different:
+    # each process updated them with its own batches. Take rank 0's.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    model.eval()
+    # Sums, not means, so that a smaller last batch weighs exactly its size: loss,
+    # right predictions and samples, in float64 to keep the counts exact.
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for batch in loader:
+        inputs, target = to_device(batch, device)
+        output = model(inputs)
+        n = len(target)
+        sums[0] += loss_fn(output, target).double() * n
+        sums[1] += correct(output, target)
+        sums[2] += n
+    # Each process saw its own shard: add the sums up, and every process has them.
+    dist.all_reduce(sums)
+    loss, right, n = sums.tolist()
+    return {"val_loss": loss / n, "val_accuracy": right / n, "val_samples": int(n)}
+
+
+# ---- Plumbing: the same in every example (tests/test_examples.py checks it) ----------
+
+
+class Place(NamedTuple):
+    """Where this process stands in the job."""
+
+    rank: int  # its number among all processes, from 0
+    local_rank: int  # its number among the processes of its node: picks its GPU
+    world_size: int  # the number of processes
+
+
+def setup(rendezvous_timeout: float = 120) -> Place:
+    """Joins the process group, whoever started this process: srun, torchrun, or none.
+
+    RANK, LOCAL_RANK and WORLD_SIZE are set for libraries that read them, as torchrun
+    sets them. Under srun, joining waits at most `rendezvous_timeout` seconds: the
+    group's own timeout also bounds every collective, 10 minutes for NCCL and 30 for
+    gloo by default.
+    """
+    place, launcher = find_place()
+    os.environ.update(
+        RANK=str(place.rank),
+        LOCAL_RANK=str(place.local_rank),
+        WORLD_SIZE=str(place.world_size),
+    )
+    backend = "nccl" if use_gpus() else "gloo"
+    if launcher == "torchrun":
+        # torchrun's rendezvous is done: env:// meets its store.
+        dist.init_process_group(backend)
+        return place
+    if launcher == "single process":
+        store = dist.HashStore()  # no other process to meet
+    else:
+        store = rendezvous(place, rendezvous_timeout)
+    dist.init_process_group(
+        backend, store=store, rank=place.rank, world_size=place.world_size
+    )
+    return place
+
+
+def find_place() -> tuple[Place, str]:
+    """This process's place, from the variables of the launcher that started it."""
+    env = os.environ
+    launch = "Start one process per task with `srun python main.py` (job.sh does)"
+    variables = {
+        "torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
+        # Only a task that srun started has SLURM_STEP_NUM_TASKS. The batch script
+        # has SLURM_PROCID=0 and the job's SLURM_NTASKS too, but no step.
+        "srun": (
+            "SLURM_PROCID",
+            "SLURM_LOCALID",
+            "SLURM_NTASKS",
+            "SLURM_STEP_NUM_TASKS",
+        ),
     }
-    print(f"summary: {json.dumps(summary)}", flush=True)
-
-
-def setup():
-    """Joins the process group, with this process's place
-    from the variables torchrun sets."""
-    missing = [v for v in ("LOCAL_RANK", "RANK", "WORLD_SIZE") if v not in os.environ]
-    if missing:
+    for launcher, names in variables.items():
+        if all(name in env for name in names):
+            place = Place(*(int(env[name]) for name in names[:3]))
+            if not 0 <= place.rank < place.world_size:
+                raise SystemExit(
+                    f"error: rank {place.rank} does not fit a world of "
+                    f"{place.world_size}: {launcher}'s variables were set or changed "
+                    f"by hand. {launch}."
+                )
+            return place, launcher
+    if int(env.get("SLURM_NTASKS", "1")) > 1:
         raise SystemExit(
-            f"error: {', '.join(missing)} not set: start main.py with torchrun, one "
-            "torchrun per node (`sbatch job.sh` does), or alone with `torchrun "
-            "--nproc-per-node=2 main.py`."
+            "error: main.py was started by the batch script, not by srun. The job has "
+            f"{env['SLURM_NTASKS']} task(s); without srun only this process runs, and "
+            f"it would wait forever for the others. {launch}."
         )
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    # torchrun also set MASTER_ADDR and MASTER_PORT, which
-    # env:// reads. NCCL for GPUs, gloo for CPUs.
-    dist.init_process_group("nccl" if use_gpus() else "gloo")
-    return rank, local_rank, world_size
+    if found := [name for name in ("RANK", "OMPI_COMM_WORLD_RANK") if name in env]:
+        raise SystemExit(
+            f"error: cannot tell this process's rank (found {', '.join(found)}). "
+            "main.py reads RANK, LOCAL_RANK, WORLD_SIZE (torchrun) or SLURM_PROCID, "
+            "SLURM_LOCALID, SLURM_NTASKS (srun), or none of them (a single process)."
+        )
+    return Place(0, 0, 1), "single process"
+
+
+def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
+    """The store where srun's tasks meet: rank 0 serves it at MASTER_ADDR:MASTER_PORT,
+    which job.sh exports, and the others connect."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise SystemExit(
+                f"error: {name} is not set. job.sh exports MASTER_ADDR and MASTER_PORT "
+                "before srun; export them too when you launch by hand."
+            )
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    host = socket.gethostname()
+    try:
+        return dist.TCPStore(
+            address, port, place.world_size, is_master=place.rank == 0,
+            timeout=timedelta(seconds=timeout),
+        )  # fmt: skip
+    except dist.DistError as error:
+        if "EADDRINUSE" in str(error):
+            raise SystemExit(
+                f"error: rank 0 cannot listen on port {port} of {host}: another "
+                "process holds it. job.sh derives MASTER_PORT from the job ID; a port "
+                "fixed by hand collides with other jobs on the node. Pick another, "
+                "from 10000-19999."
+            ) from None
+        raise SystemExit(
+            f"error: rank {place.rank} on {host} waited {timeout:.0f} s for the "
+            f"rendezvous at {address}:{port}, and not all {place.world_size} processes "
+            "joined. Rank 0 must run on MASTER_ADDR (the job's first node): check that "
+            "the node is up, that its task started, and that MASTER_ADDR names it.\n"
+            f"({type(error).__name__}: {str(error).splitlines()[0]})"
+        ) from None
 
 
 def use_gpus() -> bool:
@@ -233,83 +560,14 @@ def get_device(local_rank: int) -> torch.device:
     return device
 
 
-def reduce_train_metrics(loss: Tensor, logits: Tensor, y: Tensor):
-    """The loss and accuracy of this step's whole batch,
-    across all processes, for logging."""
-    n = y.shape[0]
-    correct = logits.detach().argmax(-1).eq(y).sum()
-    sums = torch.stack(
-        [loss.detach() * n, correct.float(), torch.tensor(float(n), device=y.device)]
-    )
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    return sums[0] / sums[2], sums[1] / sums[2]
-
-
-@torch.no_grad()
-def validation_loop(model: nn.Module, dataloader: DataLoader, device: torch.device):
-    """The mean loss and the accuracy over the whole validation set, and its size."""
-    # BatchNorm's running statistics differ between processes: use rank 0's everywhere.
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
-    model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for x, y in dataloader:
-        x, y = x.to(device), y.to(device)
-        logits: Tensor = model(x)
-        sums[0] += F.cross_entropy(logits, y, reduction="sum")
-        sums[1] += logits.argmax(-1).eq(y).sum()
-        sums[2] += y.shape[0]
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    total_loss, correct, n_samples = sums.tolist()
-    return total_loss / n_samples, correct / n_samples, int(n_samples)
-
-
-class TinyImageNetVal(Dataset):
-    """TinyImageNet's validation set, read as it ships.
-
-    Its images are not in class folders, which ImageFolder needs, but all
-    in val/images/, with each image's class in val/val_annotations.txt:
-    file name, class ID (a WordNet ID such as n01443537), then a bounding
-    box. The labels follow the training set's class indices.
-    """
-
-    def __init__(self, val_dir: Path, class_to_idx: dict[str, int], transform):
-        self.transform = transform
-        self.samples = []
-        for line in (val_dir / "val_annotations.txt").read_text().splitlines():
-            file_name, wnid = line.split("\t")[:2]
-            self.samples.append((val_dir / "images" / file_name, class_to_idx[wnid]))
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, index: int):
-        path, label = self.samples[index]
-        return self.transform(default_loader(path)), label
-
-
-def make_datasets(data_dir: Path | None):
-    """The training set (one folder per class) and the
-    validation set (one annotated folder)."""
-    if data_dir is None or not (data_dir / "val" / "val_annotations.txt").is_file():
-        raise SystemExit(
-            f"error: TinyImageNet not found in {data_dir}: expected train/ and "
-            "val/val_annotations.txt there. job.sh sets DATA_DIR; pass --data-dir to "
-            "override."
-        )
-    train_dataset = ImageFolder(data_dir / "train", transform=TRANSFORM)
-    valid_dataset = TinyImageNetVal(
-        data_dir / "val", train_dataset.class_to_idx, TRANSFORM
-    )
-    return train_dataset, valid_dataset
-
-
 def get_num_workers() -> int:
     """DataLoader workers: this process's share of its
     task's CPUs, less one for the process."""
-    # The CPUs that Slurm bound the task to. Where a site does not bind tasks to CPUs,
-    # that is the whole node: keep to what the job asked for as well.
-    cpus = len(os.sched_getaffinity(0))
+    # The CPUs that Slurm bound the task to. Where a site does not
+    # bind tasks to CPUs, that is the whole node: keep to what the
+    # job asked for as well. (macOS has no affinity: all its CPUs.)
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
     if "SLURM_CPUS_PER_TASK" in os.environ:
         cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
     # torchrun's processes share their task's CPUs.
