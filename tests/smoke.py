@@ -196,6 +196,8 @@ class Run:
         head = f"{self.name:<22} {launcher:<24} {shape:<28} {self.elapsed:5.1f} s"
         if not self.ok:
             return f"{head}  FAILED (exit codes {self.returncodes})"
+        if not self.summaries:  # a run stopped by a signal ends without one
+            return f"{head}  ok, no summary"
         s = self.summaries[0]
         line = f"{head}  ok  loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}"
         if "val_samples" in s:

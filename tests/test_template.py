@@ -16,6 +16,7 @@ import bench
 import pytest
 import tinyimagenet
 import torch
+from other_model import write_sequence_template
 from smoke import (
     EXAMPLES,
     EXAMPLES_DIR,
@@ -248,57 +249,6 @@ def test_benchmark_rows_turn_on_one_setting_each():
         example.parse_args(args)
 
 
-# A model and data of another kind, for the template's section "Your model and data":
-# sequences of 12 steps of 6 features (3-D batches, where images are 4-D), classified
-# by a GRU into 3 classes. Nothing else of main.py changes.
-SEQUENCE_SECTION = """
-
-def build_model(args, num_classes: int) -> nn.Module:
-    return SequenceClassifier(features=6, hidden=32, classes=num_classes)
-
-
-def make_datasets(args) -> tuple[Dataset, Dataset, int]:
-    return Sequences(args.synthetic_size, 0), Sequences(50, args.synthetic_size), 3
-
-
-def loss_fn(output: Tensor, target: Tensor) -> Tensor:
-    return F.cross_entropy(output, target)
-
-
-def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
-    inputs, target = batch
-    return inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
-
-
-def correct(output: Tensor, target: Tensor) -> Tensor:
-    return output.argmax(-1).eq(target).sum()
-
-
-class SequenceClassifier(nn.Module):
-    def __init__(self, features: int, hidden: int, classes: int):
-        super().__init__()
-        self.gru = nn.GRU(features, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        return self.head(self.gru(x)[0][:, -1])
-
-
-class Sequences(Dataset):
-    def __init__(self, length: int, first_seed: int):
-        self.length, self.first_seed = length, first_seed
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, index: int):
-        label = index % 3
-        noise = torch.randn(12, 6, generator=torch.Generator().manual_seed(
-            self.first_seed + index))
-        return noise + label, label
-
-
-"""
 # GPU-only settings that run on CPUs too, turned on; accumulation; workers.
 SEQUENCE_ARGS = (
     "--synthetic-data", "--synthetic-size", "600", "--batch-size", "8",
@@ -309,13 +259,8 @@ SEQUENCE_ARGS = (
 
 
 def test_a_model_of_another_kind_needs_only_the_readers_section(tmp_path):
-    folder = tmp_path / "sequences"
-    shutil.copytree(EXAMPLES_DIR / NAME, folder)
-    source = (folder / "main.py").read_text()
-    start = source.index("# ---- Your model and data")
-    start = source.index("\n", start) + 1
-    end = source.index("# ---- Training")
-    (folder / "main.py").write_text(source[:start] + SEQUENCE_SECTION + source[end:])
+    # Only the section "Your model and data" differs from the template.
+    folder = write_sequence_template(tmp_path / "sequences")
     launch = dataclasses.replace(EXAMPLES[NAME], val_samples=50, dataset=None)
 
     def run(checkpoints: str, **kwargs):
