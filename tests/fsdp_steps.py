@@ -2,9 +2,11 @@
 recording each step for the tests.
 
 test_fsdp.py starts this once per rank, with the variables that srun gives a task, as
-smoke.py starts main.py. After every training step, all ranks gather the full gradients
-and parameters from their shards, and rank 0 writes them, a list over steps, to the file
-named by the first argument. The other arguments are main.py's.
+smoke.py starts main.py. At every training step, all ranks gather the full parameters
+the step starts from and the gradients it computes, from their shards, and rank 0
+writes them, a list over steps, to the file named by the first argument. The other
+arguments are main.py's; they must include --num-workers 0: DataLoader workers could
+not import the example's classes from this module.
 
 With FSDP_REFERENCE=1, in one process, the model is trained without
 FSDP2: the reference. With FSDP_AVG_AS_SUM=1, the reduce-scatter of
@@ -24,29 +26,27 @@ fsdp = load_main("generic/fsdp")
 out = sys.argv.pop(1)
 steps = []
 
-run_batch = fsdp.Trainer._run_batch
+accumulate_gradients = fsdp.accumulate_gradients
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def recording_run_batch(self, tokens):
-    loss = run_batch(self, tokens)
+def recording_accumulate_gradients(model, batches, args, train_log):
     # full_tensor() gathers a tensor from every rank's shard: all
     # ranks take part. On one rank it may return the tensor
     # itself, which later steps change in place: hence the copies.
-    named = list(self.model.named_parameters())
-    steps.append(
-        {
-            "grads": {name: whole(p.grad).clone() for name, p in named},
-            "params": {name: whole(p).detach().clone() for name, p in named},
-        }
-    )
+    named = list(model.named_parameters())
+    # The weights that the step starts from, and the gradients it computes.
+    params = {name: whole(p).detach().clone() for name, p in named}
+    loss = accumulate_gradients(model, batches, args, train_log)
+    grads = {name: whole(p.grad).clone() for name, p in named}
+    steps.append({"grads": grads, "params": params})
     return loss
 
 
-fsdp.Trainer._run_batch = recording_run_batch
+fsdp.accumulate_gradients = recording_accumulate_gradients
 
 if os.environ.get("FSDP_AVG_AS_SUM") == "1":
     # FSDP2 reduce-scatters gradients with
@@ -63,19 +63,17 @@ if os.environ.get("FSDP_AVG_AS_SUM") == "1":
 if os.environ.get("FSDP_REFERENCE") == "1":
     # The reference for the others: the model without FSDP2, in one process, starting
     # from the weights that FSDP2 would start from.
-    build_sharded = fsdp.build_model
+    shard_model = fsdp.shard_model
 
-    def build_plain_model(args, device):
-        sharded = build_sharded(args, device)
-        plain = fsdp.TinyLM(
-            args.vocab_size, args.seq_len, args.dim, args.heads, args.layers
-        )
+    def plain_model(model, device, args):
+        sharded = shard_model(model, device, args)
+        plain = fsdp.build_model(args, args.vocab_size)
         plain.load_state_dict(
             {name: p.full_tensor() for name, p in sharded.named_parameters()}
         )
         return plain
 
-    fsdp.build_model = build_plain_model
+    fsdp.shard_model = plain_model
     fsdp.local_sizes = lambda model, optimizer: {}
 
 fsdp.main()

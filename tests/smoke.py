@@ -58,14 +58,17 @@ GENERIC_SMOKE_ARGS = (
 GENERIC_VAL_SAMPLES = 25
 # The template: micro-batches of 4, accumulated 2 by 2.
 TEMPLATE_SMOKE_ARGS = (*GENERIC_SMOKE_ARGS, "--accumulation-steps", "2")
-# The FSDP2 example: a tiny language model, 8 global batches
-# of 12 sequences an epoch. 12 divides among 1, 2, 3 and 4
-# processes, so every test layout trains on the same batches.
+# The FSDP2 example: a tiny language model on synthetic token sequences, 8 global
+# batches of 12 sequences an epoch, and 9 validation sequences, which 2 processes split
+# unevenly. 12 divides among 1, 2, 3 and 4 processes, so every test layout trains on
+# the same batches.
 FSDP_SMOKE_ARGS = (
-    "--epochs", "2", "--dataset-size", "96", "--global-batch-size", "12",
+    "--synthetic-data", "--epochs", "2", "--synthetic-size", "96",
+    "--global-batch-size", "12", "--warmup-steps", "2", "--log-every", "2",
     "--vocab-size", "64", "--seq-len", "16", "--dim", "32", "--heads", "2",
     "--layers", "2",
 )  # fmt: skip
+FSDP_VAL_SAMPLES = 9
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,9 @@ EXAMPLES: dict[str, Launch] = {
         "srun", nodes=2, args=TEMPLATE_SMOKE_ARGS, val_samples=GENERIC_VAL_SAMPLES,
         dataset="imagefolder",
     ),
-    "generic/fsdp": Launch("srun", nodes=2, args=FSDP_SMOKE_ARGS),
+    "generic/fsdp": Launch(
+        "srun", nodes=2, args=FSDP_SMOKE_ARGS, val_samples=FSDP_VAL_SAMPLES
+    ),
     "launchers/srun_torchrun": Launch(
         "torchrun", nodes=2, args=GENERIC_SMOKE_ARGS, val_samples=GENERIC_VAL_SAMPLES,
         dataset="imagefolder",

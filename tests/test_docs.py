@@ -151,6 +151,51 @@ def test_a_hunk_header_names_only_a_definition_that_holds_the_change(
     assert headers[1] == "@@ -16,11 +16,11 @@"
 
 
+def test_a_diff_of_one_function_numbers_its_lines_as_in_the_files(
+    tmp_path, monkeypatch
+):
+    # :diff: with :pyobject: diffs that function alone; its hunks give the lines'
+    # numbers in the whole files, which the lexer takes each line's tokens from.
+    from pygments.token import Error, Name, String
+
+    monkeypatch.setattr(guide_code, "ROOT", tmp_path)
+    before = ["import os\n", "\n", "\n", "def other():\n", "    return 0\n", "\n"]
+    body = [f"    x{i} = {i}\n" for i in range(12)]
+    old = [
+        *before,
+        "\n",
+        "def train():\n",
+        *body,
+        "\n",
+        "\n",
+        "def last():\n",
+        "    a = 1\n",
+    ]
+    new = [*before, "def train():\n", *body, "\n", "\n", "def last():\n", "    a = 2\n"]
+    new[6 + 1 + 10] = "    x10 = 'changed'\n"
+    new[1] = "import sys\n"  # outside train(): not shown
+    (tmp_path / "old.py").write_text("".join(old))
+    (tmp_path / "new.py").write_text("".join(new))
+    diff = guide_code.make_diff(
+        tmp_path / "old.py", tmp_path / "new.py", "python", "utf-8", "train"
+    )
+    headers = [line for line in diff.splitlines() if line.startswith("@@")]
+    # x10 is line 19 of old.py and line 18 of new.py; the hunk starts 5 lines above
+    # and ends with train(), a line below.
+    assert headers == ["@@ -14,7 +13,7 @@ def train():"], diff
+    assert "import sys" not in diff and "a = 2" not in diff
+    tokens = list(guide_code.PythonDiffLexer().get_tokens(diff))
+    assert "".join(value for _, value in tokens) == diff
+    # Each line got its own line's tokens: no mismatch (Error), and the right kinds.
+    assert Error not in [token for token, _ in tokens]
+    assert (Name, "x10") in tokens
+    assert any(t in String and value == "changed" for t, value in tokens)
+    with pytest.raises(ValueError, match="no function or class absent"):
+        guide_code.make_diff(
+            tmp_path / "old.py", tmp_path / "new.py", "python", "utf-8", "absent"
+        )
+
+
 def lex_diff(tmp_path, old: str, new: str) -> tuple[str, list]:
     diff = python_diff(tmp_path, old, new)
     return diff, list(guide_code.PythonDiffLexer().get_tokens(diff))

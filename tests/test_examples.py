@@ -193,8 +193,8 @@ PLUMBING_NAMES = [
     "Place", "setup", "find_place", "rendezvous", "use_gpus", "get_device",
     "get_num_workers",
 ]  # fmt: skip
-# Every example but the FSDP2 step, whose model and training are of another kind.
-STRUCTURED = [name for name in EXAMPLES if name != "generic/fsdp"]
+# Every example: one file structure, and one plumbing.
+STRUCTURED = list(EXAMPLES)
 
 
 def plumbing(name: str) -> dict[str, str]:

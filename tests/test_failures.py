@@ -253,13 +253,13 @@ def test_a_warned_fsdp_job_requeues_itself_and_resumes_exactly(lab, tmp_path):
     # warns before the time limit, rank 0 requeues the job itself.
     name = "generic/fsdp"
     # 2 epochs of 30 steps, stopped after one of the first 15: well before the end.
-    args = (*EXAMPLES[name].args, "--dataset-size", "360", "--log-every", "1")
+    args = (*EXAMPLES[name].args, "--synthetic-size", "360", "--log-every", "1")
     options = ONE_TASK_PER_NODE
     plain = submit(lab, name, *args, workdir=tmp_path / "plain", options=options)
     job = submit(lab, name, *args, workdir=tmp_path / "warned", options=options)
     output = tmp_path / "warned" / f"slurm-{job}.out"
     step = random.randint(3, 15)
-    wait_until(lambda: f"step {step}:" in read(output), 180, f"training step {step}")
+    wait_until(lambda: f" step {step} |" in read(output), 180, f"training step {step}")
     subprocess.run(["scancel", "--signal=USR1", job], env=lab.env(), check=True)
     restart_when_requeued(lab, job, 1)
     warned = lab.wait(job, tmp_path / "warned", timeout=300)

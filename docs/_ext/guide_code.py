@@ -16,6 +16,10 @@ and #2986 are open), so this extension does, in three parts:
 - added and removed lines are Pygments' highlighted lines (`hl_lines`), and the
   stylesheet gives them a green or red background, in light and dark mode.
 
+With `:pyobject:` as well, the diff is of that function or class in the two files, and
+its hunk headers give the lines' numbers in the whole files: a page can show a long
+file's changes one part at a time.
+
 Every `literalinclude` also gets the file's path as its caption, so that a tab says
 which file it holds, and classes that the stylesheet and the browser tests use:
 `code-file` for a whole file, `code-diff` for a diff, `code-excerpt` for part of a file.
@@ -30,6 +34,7 @@ from pygments.lexer import Lexer
 from pygments.lexers import BashLexer, PythonLexer, TextLexer
 from pygments.token import Error, Generic, Text
 from sphinx.directives.code import LiteralInclude
+from sphinx.pycode import ModuleAnalyzer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,14 +111,42 @@ def read_lines(path: Path, encoding: str) -> list[str]:
     return lines
 
 
-def make_diff(old_path: Path, new_path: Path, language: str, encoding: str) -> str:
+def object_lines(path: Path, name: str) -> tuple[int, int]:
+    """Where the Python function or class `name` lies in the file: its first line's
+    index, and the index after its last, as literalinclude's :pyobject: takes it."""
+    tag = ModuleAnalyzer.for_file(str(path), "").find_tags().get(name)
+    if tag is None:
+        raise ValueError(f"{path} has no function or class {name}")
+    return tag[1] - 1, tag[2]
+
+
+def make_diff(
+    old_path: Path,
+    new_path: Path,
+    language: str,
+    encoding: str,
+    pyobject: str | None = None,
+) -> str:
     old, new = read_lines(old_path, encoding), read_lines(new_path, encoding)
     names = (str(old_path.relative_to(ROOT)), str(new_path.relative_to(ROOT)))
-    lines = list(unified_diff(old, new, *names, n=DIFF_CONTEXT))
+    old_start = new_start = 0
+    old_part, new_part = old, new
+    if pyobject:
+        old_start, old_end = object_lines(old_path, pyobject)
+        new_start, new_end = object_lines(new_path, pyobject)
+        old_part, new_part = old[old_start:old_end], new[new_start:new_end]
+    lines = list(unified_diff(old_part, new_part, *names, n=DIFF_CONTEXT))
     for number, line in enumerate(lines):
         header = HUNK.match(line)
         if not header:
             continue
+        if pyobject:
+            # The lines' numbers in the whole files, which the lexer reads them from.
+            old_first = int(header[1]) + old_start
+            new_first = int(header[2]) + new_start
+            counts = re.match(r"@@ -\d+(,\d+)? \+\d+(,\d+)? @@", line).groups("")
+            line = f"@@ -{old_first}{counts[0]} +{new_first}{counts[1]} @@\n"
+            lines[number], header = line, HUNK.match(line)
         # The hunk's first line in the new file, and its first change.
         first = max(int(header[2]) - 1, 0)
         context = 0
@@ -139,6 +172,10 @@ class GuideLiteralInclude(LiteralInclude):
         if "diff" not in self.options:
             # A tab then says which file it holds. A diff's header names both files.
             self.options.setdefault("caption", str(path.relative_to(ROOT)))
+        # Sphinx refuses :pyobject: with :diff:; this directive makes the diff itself.
+        pyobject = None
+        if "diff" in self.options:
+            pyobject = self.options.pop("pyobject", None)
         result = super().run()
         block = next(
             iter(n for r in result for n in r.findall(nodes.literal_block)), None
@@ -153,11 +190,18 @@ class GuideLiteralInclude(LiteralInclude):
             language = "text"
         if "diff" in self.options:
             encoding = self.options.get("encoding", self.config.source_encoding)
-            text = make_diff(Path(self.options["diff"]), path, language, encoding)
+            old_path = Path(self.options["diff"])
+            try:
+                text = make_diff(old_path, path, language, encoding, pyobject)
+            except ValueError as error:
+                return [
+                    self.state.document.reporter.warning(str(error), line=self.lineno)
+                ]
             if not text:
+                what = f"{pyobject} in " if pyobject else ""
                 return [
                     self.state.document.reporter.warning(
-                        f"{self.options['diff']} and {path} are the same: no diff",
+                        f"{what}{old_path} and {path} are the same: no diff",
                         line=self.lineno,
                     )
                 ]

@@ -85,7 +85,9 @@ def measure(rank: int, world_size: int, store_path: str, out: str):
     ddp = DistributedDataParallel(example.TinyLM(*config))
     rows["DDP"] = held(ddp, one_step(ddp, args.vocab_size))
     del ddp
-    fsdp = example.build_model(args, torch.device("cpu"))
+    with torch.device("meta"):
+        model = example.build_model(args, args.vocab_size)
+    fsdp = example.shard_model(model, torch.device("cpu"), args)
     rows["FSDP2"] = held(fsdp, one_step(fsdp, args.vocab_size))
     # Gathered whole to compute with: the root's own parameters (embeddings, last norm,
     # output layer) from the start of forward to the end of backward, and each block's

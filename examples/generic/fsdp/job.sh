@@ -1,11 +1,11 @@
 #!/bin/bash
 #SBATCH --job-name=tinylm
 #SBATCH --nodes=2
-#SBATCH --ntasks-per-node=2
-#SBATCH --gpus-per-node=2
-#SBATCH --cpus-per-task=4
-#SBATCH --mem=16G
-#SBATCH --time=00:10:00
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=8
+#SBATCH --mem=128G
+#SBATCH --time=12:00:00
 # Allow the job to go back in the queue, whether Slurm preempts it or it asks itself.
 #SBATCH --requeue
 # SIGUSR1 to every task 120 s before the time limit: time to
@@ -19,6 +19,10 @@
 # requeue. Start a new run with another name: `sbatch --job-name=tinylm-2 job.sh`.
 # singleton: one job of a name runs at a time, or two would write the same checkpoints.
 #SBATCH --dependency=singleton
+# --- Site-specific #SBATCH lines: remove a "#" to use one -----------------------------
+# (values: see "Adapt it to your cluster" in the guide)
+##SBATCH --partition=gpu
+##SBATCH --account=my-project
 
 # Stop at the first failing command.
 set -e
@@ -26,7 +30,7 @@ set -e
 echo "Job $SLURM_JOB_ID, start number $((${SLURM_RESTART_COUNT:-0} + 1))," \
     "on $SLURM_JOB_NODELIST"
 
-# --- Site-specific: make torch importable (a module, conda or a venv) -----------------
+# --- Site-specific: make torch importable, and say where the dataset lives ------------
 # This is a virtual environment; create it once, on a login node:
 #   python3 -m venv ~/venvs/ddp
 #   ~/venvs/ddp/bin/pip install torch==2.14.1 torchvision==0.29.1
@@ -34,9 +38,12 @@ echo "Job $SLURM_JOB_ID, start number $((${SLURM_RESTART_COUNT:-0} + 1))," \
 # compute capability 7.5 (Turing) or newer.
 # shellcheck source=/dev/null
 source "$HOME/venvs/ddp/bin/activate"
+# A folder with train.bin and val.bin, token ids as nanoGPT's data scripts write them,
+# on storage that every node reads. main.py reads DATA_DIR; --synthetic-data needs none.
+export DATA_DIR=$SCRATCH/data/tokens
 # --- Site-specific: storage that outlives the job and that every node sees ------------
-# Every rank writes its own shard of each checkpoint here:
-# a node's own disk would scatter them.
+# Every rank writes its own shard of each checkpoint there: a node's own disk would
+# scatter them.
 storage=${SCRATCH:?"is not set: set it, or this line, to shared storage outliving jobs"}
 export CHECKPOINT_DIR=$storage/checkpoints/$SLURM_JOB_NAME
 # Fail now rather than at the first save, an epoch into training.
@@ -45,13 +52,31 @@ if ! mkdir -p "$CHECKPOINT_DIR" || [[ ! -w $CHECKPOINT_DIR ]]; then
     exit 1
 fi
 
-# Where the processes meet: the job's first node, on a port derived from the job ID so
-# that jobs sharing a node do not collide.
+# The resources Slurm granted, at the top of the output, for when something looks wrong.
+scontrol show job "$SLURM_JOB_ID"
+# NCCL_DEBUG=WARN logs NCCL's warnings and errors only; INFO logs the network and GPU
+# links it picks at start, to debug a slow or hanging job. PYTHONFAULTHANDLER=1 prints
+# each thread's Python stack when a process dies of a fatal signal, such as the abort
+# by which NCCL's watchdog ends a collective that timed out: a hang that ends that way
+# shows where. (SIGTERM and SIGKILL print nothing.)
+export NCCL_DEBUG=WARN
+export PYTHONFAULTHANDLER=1
+# The processes get their parallelism from DataLoader workers and the GPU; one OpenMP
+# thread each keeps them from crowding the task's CPUs.
+export OMP_NUM_THREADS=1
+
+# Where the processes meet to form the process group: the job's first node, which
+# every node reaches by name, on a port derived from the job ID, so that two jobs
+# sharing a node do not pick the same one. 10000-19999 is below the range the kernel
+# hands out to outgoing connections.
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 export MASTER_ADDR=${nodes[0]}
 export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
-# One task per GPU on every node (--ntasks-per-node = GPUs per node), each holding a
-# shard of the model. A checkpoint resumes on another number of tasks or nodes.
+
+# srun starts one task per GPU on every node, each a process of the group and each
+# holding a shard of the model. A checkpoint resumes on another number of tasks.
+# Arguments after `sbatch job.sh` reach main.py, as in a trial run, under a name of
+# its own: `sbatch --job-name=trial job.sh --synthetic-data --max-steps 200`.
 # --cpus-per-task: each task gets the CPUs per task that the job asked for, for its
 # DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05
 # to 23.02 do not.

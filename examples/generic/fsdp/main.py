@@ -1,51 +1,824 @@
-"""checkpointing, for a model too large for DDP: FSDP2 shards it over all processes.
+"""Step 6: FSDP2, for a model too large for one GPU. Step 5, with the model sharded over
+all processes instead of copied whole to each.
 
-Over checkpointing:
+Over step 5:
 - the model is a small decoder-only transformer language model, its sizes set by flags,
-  trained on synthetic token sequences or on a file of token ids (--data-file);
+  trained on files of token ids (train.bin and val.bin) or on synthetic sequences;
 - fully_shard() splits each block, then the rest of the model, over all processes. Each
   keeps 1/world_size of the parameters, gradients and optimizer state, and gathers one
   block's parameters at a time to compute with;
 - the model is created on the meta device, without memory, and filled in one parameter
   at a time: no process ever holds the whole model;
-- on GPUs of compute capability 8.0 or newer, the model computes
-  in bf16, while the optimizer keeps float32 weights and gradients
-  are reduced in float32. On CPUs, with gloo, all is float32;
-- --global-batch-size fixes the batch of a step over all
-  processes, so that every number of processes trains on the same
-  batches: a checkpoint can resume on another number of processes;
-- a checkpoint is a folder that every rank writes its own
-  shard to (torch.distributed.checkpoint). It is written
-  under a temporary name and renamed when complete.
+- with bf16, the parameters are gathered in bf16, and the gradients reduced in float32;
+- --global-batch-size fixes the batch of a step over all processes, so that a
+  checkpoint resumes on another number of processes, on the same batches;
+- a checkpoint is a folder that every rank writes its own shard to
+  (torch.distributed.checkpoint), under a temporary name renamed when complete.
+Left out: torch.compile, which FSDP2 wants applied to each block before sharding.
+
+Try the job before the data is in place, as a run of its own name:
+`sbatch --job-name=trial job.sh --synthetic-data --max-steps 200`.
 """
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
+import logging
+import math
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import time
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-# The signal that asked this process to stop, or 0. Signal handlers only note it: the
+log = logging.getLogger(__name__)
+
+
+# ---- Your model and data: replace these for your own task ----------------------------
+
+
+def build_model(args, num_classes: int) -> nn.Module:
+    """The network to train: a language model, whose classes are the tokens.
+
+    main() builds it on the meta device, and shard_model() makes each module of
+    `model.blocks` a unit of FSDP2: give your model's repeated layers that name.
+    """
+    return TinyLM(num_classes, args.seq_len, args.dim, args.heads, args.layers)
+
+
+def make_datasets(args) -> tuple[Dataset, Dataset, int]:
+    """The training and validation sets, and the number of classes: the vocabulary's
+    size, since each next token is one of them."""
+    if args.synthetic_data:
+        size, vocab, length = args.synthetic_size, args.vocab_size, args.seq_len + 1
+        train = SyntheticTokens(size, vocab, length, first_seed=0)
+        valid = SyntheticTokens(max(size // 10, 1), vocab, length, first_seed=size)
+        return train, valid, vocab
+    check_dataset(args.data_dir)
+    train = TokenFile(args.data_dir / "train.bin", args.seq_len + 1, args.vocab_size)
+    valid = TokenFile(args.data_dir / "val.bin", args.seq_len + 1, args.vocab_size)
+    return train, valid, args.vocab_size
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    """The loss to minimise: a mean over every position of the batch. In float32, even
+    where the model computes in bf16: the softmax over the vocabulary needs it."""
+    return F.cross_entropy(output.float().flatten(0, 1), target.flatten())
+
+
+def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A batch of sequences, as (the model's input, the target), on the device: the
+    target of each position is the token after it."""
+    tokens = batch.to(device, non_blocking=True)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def correct(output: Tensor, target: Tensor) -> Tensor:
+    """The validation metric, summed over the batch: for each sequence, the share of
+    its next tokens predicted right."""
+    return output.argmax(-1).eq(target).float().mean(-1).sum()
+
+
+class TinyLM(nn.Module):
+    """A decoder-only transformer: token and position
+    embeddings, blocks, a norm, the output."""
+
+    def __init__(
+        self, vocab_size: int, seq_len: int, dim: int, heads: int, layers: int
+    ):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.position = nn.Embedding(seq_len, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim, bias=False)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed(tokens) + self.position(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class Block(nn.Module):
+    """Causal self-attention, then an MLP, each added to its input."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        if dim % heads:
+            raise SystemExit(
+                f"error: --dim {dim} does not divide into --heads {heads}: each "
+                "attention head takes dim / heads features. Choose a --dim that is a "
+                "multiple of --heads."
+            )
+        self.heads = heads
+        self.attention_norm = nn.LayerNorm(dim, bias=False)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = nn.LayerNorm(dim, bias=False)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim, bias=False),
+            nn.GELU(),
+            nn.Linear(4 * dim, dim, bias=False),
+        )
+
+    def forward(self, x):
+        batch, length, dim = x.shape
+        qkv = self.qkv(self.attention_norm(x)).view(batch, length, 3, self.heads, -1)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each: batch, heads, length, dim / heads
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attended.transpose(1, 2).reshape(batch, length, dim))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class SyntheticTokens(Dataset):
+    """Sequences of `length` token ids that count up from a random token in steps of a
+    random stride, modulo the vocabulary: a pattern a model learns within an epoch.
+
+    Sequence `i` comes from its own seed: the same in every epoch and every process.
+    """
+
+    def __init__(self, size: int, vocab_size: int, length: int, first_seed: int):
+        self.size, self.vocab_size, self.length = size, vocab_size, length
+        self.first_seed = first_seed
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index: int):
+        generator = torch.Generator().manual_seed(self.first_seed + index)
+        start = torch.randint(self.vocab_size, (1,), generator=generator)
+        stride = torch.randint(1, 8, (1,), generator=generator)
+        return (start + stride * torch.arange(self.length)) % self.vocab_size
+
+
+class TokenFile(Dataset):
+    """Consecutive pieces of `length` tokens of a file of uint16 token ids, one after
+    the other: the format of nanoGPT's data scripts (train.bin, val.bin)."""
+
+    def __init__(self, path: Path, length: int, vocab_size: int):
+        self.path, self.length = path, length
+        # Mapped, not read: the processes share the file's pages, however large it is.
+        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        if len(self.tokens) < length:
+            raise SystemExit(
+                f"error: {path} holds {len(self.tokens)} tokens, fewer than one "
+                f"sequence of --seq-len {length - 1} needs. It must hold uint16 ids."
+            )
+        # One pass over the file, now rather than hours into training: on a GPU, an id
+        # past the embedding's end is an opaque device-side assert.
+        chunk = 1 << 24
+        largest = max(
+            int(self.tokens[i : i + chunk].max())
+            for i in range(0, len(self.tokens), chunk)
+        )
+        if largest >= vocab_size:
+            raise SystemExit(
+                f"error: {path} holds token id {largest}, and --vocab-size is "
+                f"{vocab_size}. Give the vocabulary size of the tokenizer that made it."
+            )
+
+    def __getstate__(self):
+        # DataLoader workers get a pickled copy of the dataset: send the path, not the
+        # mapped tokens, which would be copied whole. Each worker maps the file again.
+        return {"path": self.path, "length": self.length}
+
+    def __setstate__(self, state):
+        vars(self).update(state)
+        self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+
+    def __len__(self):
+        return (len(self.tokens) - 1) // (self.length - 1)
+
+    def __getitem__(self, index: int):
+        start = index * (self.length - 1)
+        piece = self.tokens[start : start + self.length]
+        return torch.from_numpy(piece.astype(np.int64))
+
+
+def check_dataset(data_dir: Path | None):
+    """Stops with a clear message when the dataset is not where main.py looks for it."""
+    if data_dir is None:
+        raise SystemExit(
+            "error: no dataset given: set DATA_DIR in job.sh or pass --data-dir.\n"
+            "To try the job without a dataset, add --synthetic-data."
+        )
+    missing = [
+        name for name in ("train.bin", "val.bin") if not (data_dir / name).is_file()
+    ]
+    if missing:
+        raise SystemExit(
+            f"error: {data_dir} has no {' or '.join(missing)}. The dataset must be two "
+            "files of uint16 token ids, train.bin and val.bin (nanoGPT's format); "
+            "check DATA_DIR in job.sh (and the variables it is made of, such as "
+            "$SCRATCH), or pass --data-dir.\nTo try the job without a dataset, add "
+            "--synthetic-data."
+        )
+
+
+# ---- Training ------------------------------------------------------------------------
+
+
+def main():
+    args = parse_args()
+    place = setup(args.rendezvous_timeout)
+    device = get_device(place.local_rank)
+    # Plain lines with a time stamp: a batch job's output is a file.
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [{place.rank}/{place.world_size}] %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    log.info(f"Running on {socket.gethostname()}, device {device}")
+    # From here on, only rank 0 logs: every process holds the same numbers.
+    log.setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
+    log.info(f"Speed settings: {json.dumps(speed_settings(args, device))}")
+
+    train_set, valid_set, num_classes = make_datasets(args)
+    args.batch_size = check_sizes(args, place.world_size, train_set, valid_set)
+    # On the meta device, modules have shapes but no memory: no process builds the
+    # whole model. shard_model() gives each process memory for its shards only.
+    with torch.device("meta"):
+        model = build_model(args, num_classes)
+    model = shard_model(model, device, args)
+    # AdamW's two moments per parameter follow its sharding: each rank keeps its own.
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    loaders = make_loaders(args, train_set, valid_set, place)
+    if args.benchmark:
+        return benchmark(model, optimizer, loaders[0], args, place)
+    scheduler = make_scheduler(args, optimizer, steps_per_epoch(args, loaders[0]))
+    batch = args.batch_size * args.accumulation_steps  # per process and step
+    log.info(f"Global batch: {batch} x {place.world_size} = {batch * place.world_size}")
+    progress, train_log = Progress(), TrainLog(device, batch)
+    checkpoint = Checkpoint(args)
+    checkpoint.load(model, optimizer, scheduler, progress, train_log)
+    catch_stop_signals()
+    stopped_by = train(
+        args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint
+    )
+    if stopped_by:
+        log.warning(f"Stopped at step {progress.steps}, checkpoint saved")
+        # SIGUSR1 warns of the time limit: requeue. After SIGTERM, Slurm is ending the
+        # job already, and requeues it if it preempted it.
+        if stopped_by == signal.SIGUSR1 and place.rank == 0:
+            requeue(args.max_restarts)
+        return
+    # One plain line per process to grep from the job's output: the numbers agree.
+    summary = {
+        "rank": place.rank,
+        "world_size": place.world_size,
+        "host": socket.gethostname(),
+        **asdict(progress),
+        "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+    }
+    print(f"summary: {json.dumps(summary)}", flush=True)
+    # What this rank holds, counted from its own shards: about 1/world_size of each.
+    shards = {"rank": place.rank, **local_sizes(model, optimizer)}
+    print(f"shards: {json.dumps(shards)}", flush=True)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=positive, default=5)
+    # The sequences of an optimizer step, over all processes: each process takes its
+    # share, in --accumulation-steps micro-batches.
+    parser.add_argument("--global-batch-size", type=positive, default=32)
+    parser.add_argument("--accumulation-steps", type=positive, default=1)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument(
+        "--warmup-steps", type=positive, default=500, help="in optimizer steps"
+    )
+    parser.add_argument("--weight-decay", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-steps", type=positive, default=None, help="stop after this many"
+    )
+    parser.add_argument(
+        "--log-every", type=positive, default=50, help="steps between log lines"
+    )
+    # The model's sizes. The defaults make about 34 million parameters.
+    parser.add_argument("--vocab-size", type=positive, default=8192)
+    parser.add_argument("--seq-len", type=positive, default=256)
+    parser.add_argument("--dim", type=positive, default=512)
+    parser.add_argument("--heads", type=positive, default=8)
+    parser.add_argument("--layers", type=positive, default=8)
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=os.environ.get("DATA_DIR"),
+        help="a folder with train.bin and val.bin, of uint16 token ids ($DATA_DIR)",
+    )
+    parser.add_argument(
+        "--synthetic-data",
+        action="store_true",
+        help="train on synthetic sequences of token ids instead of the dataset",
+    )
+    parser.add_argument("--synthetic-size", type=positive, default=8192)
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="DataLoader workers per process (default: its CPUs, less one)",
+    )
+    parser.add_argument(
+        "--rendezvous-timeout",
+        type=float,
+        default=120,
+        help="seconds to wait for every process to join before giving up",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=Path(os.environ.get("CHECKPOINT_DIR", "checkpoints")),
+        help="storage that outlives the job (default: $CHECKPOINT_DIR, from job.sh)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=20,
+        help="requeue the job at most this often: a guard against a job that loops",
+    )
+    # Speed settings. By default each is on where it pays: on GPUs (bf16: of compute
+    # capability 8.0 and newer). --no-X turns one off, to measure what it buys.
+    for name in ("bf16", "channels-last", "cudnn-benchmark", "pin-memory"):
+        parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction)
+    parser.add_argument(
+        "--benchmark",
+        type=positive,
+        metavar="N",
+        help="time N batches of input, then N training steps, instead of training",
+    )
+    return parser.parse_args(argv)
+
+
+def positive(text: str) -> int:
+    """An argument that must be a whole number above zero,
+    or argparse stops with the reason."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+@dataclass
+class Progress:
+    """Where training stands, and the numbers the summary reports."""
+
+    epoch: int = 0  # the epoch under way; at the end, the number done
+    steps: int = 0  # optimizer steps taken in all
+    batches: int = 0  # batches of the epoch under way trained on
+    first_loss: float | None = None  # the mean loss of the first log line
+    last_loss: float | None = None  # and of the last
+    val_loss: float | None = None  # the last validation's results
+    val_accuracy: float | None = None
+    val_samples: int | None = None
+
+
+def check_sizes(args, world_size: int, train_set: Dataset, valid_set: Dataset) -> int:
+    """Each process's micro-batch: its share of the global batch, in
+    --accumulation-steps parts. Stops with the cause when the data or the batch cannot
+    be split as asked."""
+    share = world_size * args.accumulation_steps
+    if args.global_batch_size > len(train_set):
+        raise SystemExit(
+            f"error: --global-batch-size {args.global_batch_size} is more than the "
+            f"{len(train_set)} sequences of the training data: no step would be whole. "
+            "Lower it, or give more data."
+        )
+    if args.global_batch_size % share:
+        raise SystemExit(
+            f"error: --global-batch-size {args.global_batch_size} does not divide "
+            f"among {world_size} processes x {args.accumulation_steps} accumulation "
+            f"steps. Choose a multiple of {share}, or another number of tasks, so that "
+            "every process takes the same share of each batch."
+        )
+    if len(valid_set) < world_size:
+        raise SystemExit(
+            f"error: the {len(valid_set)} validation sequences leave some of the "
+            f"{world_size} processes none to validate. Give more validation data."
+        )
+    return args.global_batch_size // share
+
+
+def shard_model(model: nn.Module, device: torch.device, args) -> nn.Module:
+    """The model, built on the meta device, sharded over all processes: each holds
+    memory for its own shards only, filled in by init_weights()."""
+    # An explicit mesh of the device type in use. Without one, FSDP2 builds it for
+    # the accelerator, which fails for a gloo group on a CUDA build of torch
+    # (pytorch#132471).
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    # With bf16, FSDP2 casts each shard to bf16 before gathering it: half the bytes to
+    # send. Gradients are reduce-scattered in float32, so that their sum over processes
+    # keeps its precision, and the optimizer updates the float32 shards. On CPUs, all
+    # stays float32: gloo's bf16 collectives have failed in some versions of torch.
+    policy = MixedPrecisionPolicy()
+    if args.bf16:
+        policy = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
+    # Each block is a unit: gathered whole for its forward and backward, then freed, and
+    # its gradients reduce-scattered while the next block computes. The root takes what
+    # is left: the embeddings, the last norm and the output layer.
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device=device)
+    init_weights(model, args.seed)
+    return model
+
+
+def init_weights(model: nn.Module, seed: int):
+    """Fills in every parameter, one at a time; each rank keeps its shard.
+
+    Every rank draws each whole parameter from the same seed and keeps its own part, so
+    that the weights are the same on any number of processes. The default initialisation
+    of modules would not do: on CPUs, every shard of a parameter would get the same
+    values. The cost: each rank draws the whole model, one parameter at a time, which
+    for billions of parameters takes minutes. (Models that large usually start from
+    pretrained weights, which dcp.load shards.)
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            full = torch.empty(param.shape)
+            if param.ndim == 1:
+                full.fill_(1.0)  # the norms' scales
+            else:
+                full.normal_(0.0, 0.02, generator=generator)
+            # src_data_rank=None: each rank cuts its shard from its own copy, without
+            # sending.
+            shard = distribute_tensor(
+                full.to(param.device), param.device_mesh, param.placements,
+                src_data_rank=None,
+            )  # fmt: skip
+            param.copy_(shard)
+            del full, shard  # one whole parameter at a time, on the GPU too
+
+
+def local_sizes(model: nn.Module, optimizer) -> dict[str, int]:
+    """The number of values of the model and of its
+    optimizer state that this rank holds."""
+    parameters = sum(param.to_local().numel() for param in model.parameters())
+    optimizer_state = sum(
+        value.to_local().numel()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.ndim > 0  # not the step counts
+    )
+    return {"parameters": parameters, "optimizer_state": optimizer_state}
+
+
+def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
+    """The DataLoaders: workers load and transform batches while the GPU computes."""
+    # Workers start from a fork server, a clean process, not by fork() of this one,
+    # whose process group runs threads. On Python up to 3.11.9, a fork while one of
+    # them holds the interpreter's lock leaves the worker deadlocked (gh-112275).
+    # The server imports torch once; its workers start at once.
+    multiprocessing.set_start_method("forkserver", force=True)
+    multiprocessing.set_forkserver_preload(["torch"])
+    start_fork_server()
+    workers = get_num_workers() if args.num_workers is None else args.num_workers
+    options = {
+        "batch_size": args.batch_size,
+        "num_workers": workers,
+        # Workers that stay from one epoch to the next keep their copy of the
+        # dataset: no new ones start, each copying it again, at every epoch.
+        "persistent_workers": workers > 0,
+        # Pinned (page-locked) memory lets a copy to the GPU run without blocking
+        # this process, which can queue the next step's work meanwhile.
+        "pin_memory": args.pin_memory,
+    }
+    # Each process trains on its own 1/world_size of every epoch, shuffled by the
+    # sampler. It drops the samples that do not divide among the processes, where
+    # step 5 repeats some: a step's global batch is then the same samples on any
+    # number of processes, and a checkpoint resumes on another number.
+    sampler = ResumableSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
+    # Each process seeds its own workers: with one seed everywhere, a random
+    # augmentation would draw the same numbers in every process.
+    train_loader = DataLoader(
+        train_set,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed + place.rank),
+        **options,
+    )
+    # Validation counts each sample once: every world_size-th
+    # sample, from the rank on, with no padding.
+    shard = range(place.rank, len(valid_set), place.world_size)
+    # The workers' seeds come from a generator of its own, which leaves torch's
+    # global random state to training alone (step 4 saves it in checkpoints).
+    valid_loader = DataLoader(
+        Subset(valid_set, shard), shuffle=False, generator=torch.Generator(), **options
+    )
+    return train_loader, valid_loader
+
+
+def make_scheduler(args, optimizer, steps_per_epoch: int):
+    """A learning rate that rises linearly over --warmup-steps, then decays to zero
+    along a cosine, by the end of training."""
+    total = args.epochs * steps_per_epoch
+    total = total if args.max_steps is None else min(total, args.max_steps)
+    warmup = args.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        done = (step - warmup) / max(total - warmup, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train(args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint):
+    """Trains for --epochs, or --max-steps, and validates after every epoch; returns 0,
+    or the signal that stopped it before, once the checkpoint is saved."""
+    train_loader, valid_loader = loaders
+    device = next(model.parameters()).device
+    max_steps = math.inf if args.max_steps is None else args.max_steps
+    while progress.epoch < args.epochs and (
+        progress.steps < max_steps or progress.batches
+    ):
+        # Without set_epoch, the sampler would shuffle every epoch the same way.
+        train_loader.sampler.set_epoch(progress.epoch)
+        train_loader.sampler.skip = progress.batches * args.batch_size
+        model.train()
+        batches = iter(train_loader)
+        for _ in range(steps_per_epoch(args, train_loader)):
+            if progress.steps == max_steps:
+                break
+            loss = accumulate_gradients(model, batches, args, train_log)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.steps += 1
+            progress.batches += args.accumulation_steps
+            train_log.add(loss)
+            if progress.steps % args.log_every == 0:
+                log_line(progress, train_log, scheduler)
+            if stop := agree_to_stop(device):
+                checkpoint.save(model, optimizer, scheduler, progress, train_log)
+                return stop
+        if train_log.steps:  # the steps since the last line, at the epoch's end
+            log_line(progress, train_log, scheduler)
+        log.info(f"Epoch {progress.epoch}: validation")
+        results = validate(model, valid_loader, device, args)
+        if results is None:  # a stop during validation: the next run validates
+            checkpoint.save(model, optimizer, scheduler, progress, train_log)
+            return agree_to_stop(device)
+        for name, value in results.items():
+            setattr(progress, name, value)
+        log.info(
+            f"Epoch {progress.epoch}: val loss {progress.val_loss:.3f}, val accuracy "
+            f"{progress.val_accuracy:.2%} on {progress.val_samples} samples"
+        )
+        progress.epoch += 1
+        progress.batches = 0
+        checkpoint.save(model, optimizer, scheduler, progress, train_log)
+        train_log.restart_clock()  # the next line counts training only
+    return 0
+
+
+class TrainLog:
+    """What the log reports: the mean loss over the steps since the last line, the
+    samples per second, and the share of that time spent waiting for data.
+
+    The losses stay on the device until a line is logged: a .item() on every step would
+    make this process wait for the GPU each time, instead of queueing the next step.
+    """
+
+    def __init__(self, device: torch.device, samples_per_step: int):
+        self.device, self.samples_per_step = device, samples_per_step
+        self.total = torch.zeros((), device=device)
+        self.steps = 0
+        self.restart_clock()
+
+    def restart_clock(self):
+        self.started, self.data_wait = time.perf_counter(), 0.0
+
+    def add(self, loss: Tensor):
+        self.total += loss.detach()
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def waiting_for_data(self):
+        begin = time.perf_counter()
+        yield
+        self.data_wait += time.perf_counter() - begin
+
+    def report(self) -> dict:
+        """The numbers since the last report, over all processes; starts anew."""
+        # The GPU may still run steps that this process queued: time them too.
+        synchronize(self.device)
+        elapsed = time.perf_counter() - self.started
+        rate, wait = (
+            self.steps * self.samples_per_step / elapsed,
+            self.data_wait / elapsed,
+        )
+        sums = torch.stack([self.total / self.steps, self.total.new_tensor(rate)])
+        sums = torch.cat([sums, self.total.new_tensor([wait])])
+        dist.all_reduce(sums)  # one collective per line, for all three
+        loss, total_rate, wait = sums.tolist()
+        world_size = dist.get_world_size()
+        self.total.zero_()
+        self.steps = 0
+        self.restart_clock()
+        return {
+            "loss": loss / world_size,
+            "samples_per_s": total_rate / world_size,
+            "total_samples_per_s": total_rate,
+            "data_wait": wait / world_size,
+        }
+
+
+def log_line(progress: Progress, train_log: TrainLog, scheduler):
+    report = train_log.report()
+    loss = report["loss"]
+    progress.first_loss = loss if progress.first_loss is None else progress.first_loss
+    progress.last_loss = loss
+    log.info(
+        f"epoch {progress.epoch} step {progress.steps} | loss {loss:.4f} | "
+        f"lr {scheduler.get_last_lr()[0]:.2e} | {report['samples_per_s']:.1f} "
+        f"samples/s per process, {report['total_samples_per_s']:.1f} in total | "
+        f"waiting for data {report['data_wait']:.0%}"
+    )
+
+
+@torch.no_grad()
+def validate(model: nn.Module, loader: DataLoader, device: torch.device, args):
+    """The mean loss and accuracy over every validation sample, and their count; or
+    None if a rank was told to stop: all check after each batch that all shards have."""
+    shard = len(loader.dataset.dataset) // dist.get_world_size()  # the smallest one
+    stop_checks = shard // loader.batch_size
+    # BatchNorm's running statistics are the one state that DDP leaves different:
+    # each process updated them with its own batches. Take rank 0's.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    model.eval()
+    # Sums, not means, so that a smaller last batch weighs exactly its size: loss,
+    # right predictions and samples, in float64 to keep the counts exact.
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    # Every forward gathers each unit's parameters from all ranks, so all ranks must
+    # run as many. A rank whose shard has fewer batches runs its last one again, and
+    # does not count it.
+    most = torch.tensor(len(loader), device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    batches, last = iter(loader), None
+    for i in range(int(most)):
+        batch = next(batches, None)
+        last = last if batch is None else batch
+        inputs, target = to_device(last, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            output = model(memory_layout(inputs, args)).float()
+        if batch is not None:
+            n = len(target)
+            sums[0] += loss_fn(output, target).double() * n
+            sums[1] += correct(output, target)
+            sums[2] += n
+        if i < stop_checks and agree_to_stop(device):
+            return None
+    # Each process saw its own shard: add the sums up, and every process has them.
+    dist.all_reduce(sums)
+    loss, right, n = sums.tolist()
+    return {"val_loss": loss / n, "val_accuracy": right / n, "val_samples": int(n)}
+
+
+def speed_settings(args, device: torch.device) -> dict:
+    """Sets each speed setting that was left to its default (None) to what pays on this
+    device: on for GPUs, off for CPUs. Returns them all, for the log."""
+    cuda = device.type == "cuda"
+    bf16_ok = cuda and torch.cuda.get_device_capability(device) >= (8, 0)
+    if args.bf16 and not bf16_ok:
+        raise SystemExit(
+            "error: --bf16 asks for bf16 autocast, which needs a GPU of compute "
+            "capability 8.0 or newer (A100, H100, RTX 30xx and later); this process "
+            f"has {torch.cuda.get_device_name(device) if cuda else 'a CPU'}. Leave it "
+            "out to train in fp32."
+        )
+    for name, default in [("bf16", bf16_ok), ("channels_last", cuda),
+                          ("cudnn_benchmark", cuda), ("pin_memory", cuda)]:  # fmt: skip
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    # cuDNN times several algorithms for each new input shape, then keeps the fastest.
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    settings = ("bf16", "channels_last", "cudnn_benchmark", "pin_memory")
+    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    return {"device": device_name, **{name: getattr(args, name) for name in settings}}
+
+
+def steps_per_epoch(args, train_loader: DataLoader) -> int:
+    """Optimizer steps in what is left of the epoch: whole steps of micro-batches."""
+    return len(train_loader) // args.accumulation_steps
+
+
+def memory_layout(inputs, args):
+    """Images channels last in memory (NHWC), the layout of the GPU's convolutions, when
+    channels_last is on; inputs that are not images (not 4-D) as they are."""
+    if args.channels_last and isinstance(inputs, Tensor) and inputs.dim() == 4:
+        return inputs.contiguous(memory_format=torch.channels_last)
+    return inputs
+
+
+def accumulate_gradients(model, batches, args, train_log: TrainLog) -> Tensor:
+    """Forward and backward over --accumulation-steps micro-batches, taken from
+    `batches` one at a time; returns their mean loss, on the device.
+
+    The backward pass of every micro-batch reduce-scatters its gradients, averaged over
+    the processes, and they add up in each rank's shard. (Skipping that until the last
+    micro-batch, as step 5's no_sync() does, would keep whole gradients on every rank:
+    the memory that sharding saves.)
+    """
+    device = next(model.parameters()).device
+    total = torch.zeros((), device=device)
+    for _ in range(args.accumulation_steps):
+        with train_log.waiting_for_data():
+            inputs, target = to_device(next(batches), device)
+        # Autocast covers the forward pass; backward runs in its precisions.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            loss = loss_fn(model(memory_layout(inputs, args)), target)
+        # Each micro-batch weighs 1/n: the sum is the mean over the whole batch.
+        (loss / args.accumulation_steps).backward()
+        total += loss.detach()
+    return total / args.accumulation_steps
+
+
+def benchmark(model, optimizer, loader: DataLoader, args, place):
+    """Prints the samples/s of the input pipeline alone, then of the training step
+    alone, on one batch already on the device: the ceiling, which no input pipeline can
+    beat. Training runs at about the smaller of the two."""
+    device, n = next(model.parameters()).device, args.benchmark
+    # Untimed: the workers start, and the batches they prefetch (two each) are taken,
+    # so that the timed ones are those the workers make while they are timed.
+    untimed = max(2 * loader.num_workers, 1)
+    if len(loader) < untimed + n:
+        raise SystemExit(
+            f"error: --benchmark {n} times {n} batches after {untimed} untimed ones, "
+            f"but the training set has {len(loader)} batches of {loader.batch_size}. "
+            "Ask for fewer."
+        )
+    batches = iter(loader)
+    for _ in range(untimed):
+        inputs, target = to_device(next(batches), device)
+    rates = {}
+    synchronize(device)
+    begin = time.perf_counter()
+    for _ in range(n):
+        to_device(next(batches), device)
+    synchronize(device)
+    rates["input_samples_per_s"] = n * loader.batch_size / (time.perf_counter() - begin)
+    del batches
+    model.train()
+    for timed in (False, True):  # untimed first: the autotuner and compiling
+        synchronize(device)
+        begin = time.perf_counter()
+        for _ in range(n if timed else 3):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                loss = loss_fn(model(memory_layout(inputs, args)), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+    rates["step_samples_per_s"] = n * loader.batch_size / (time.perf_counter() - begin)
+    record = {**speed_settings(args, device), "num_workers": loader.num_workers}
+    record.update(rates, rank=place.rank, world_size=place.world_size)
+    record.update(seq_len=args.seq_len, dim=args.dim, layers=args.layers)
+    record["batch_size"] = args.batch_size
+    if device.type == "cuda":
+        record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    print(f"benchmark: {json.dumps(record)}", flush=True)
+
+
+def synchronize(device: torch.device):
+    """Waits for the GPU to finish the work queued so far."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# The signal that asked this process to stop, or 0. The handler only notes it: the
 # training loop acts on it between steps, where every rank can stop at the same point.
 stop_signal = 0
 
@@ -56,187 +829,364 @@ def note_stop_signal(signum, frame):
     stop_signal = max(stop_signal, signum)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument(
-        "--global-batch-size",
-        type=int,
-        default=32,
-        help="sequences per step over all processes; each process takes its share",
-    )
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument(
-        "--dataset-size", type=int, default=8192, help="synthetic sequences"
-    )
-    parser.add_argument(
-        "--data-file",
-        type=Path,
-        help=(
-            "train on this file of token ids (uint16, one after the other, as "
-            "nanoGPT's prepare scripts write them) instead of synthetic sequences"
-        ),
-    )
-    # The model's sizes. The defaults make about 34 million parameters.
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument(
-        "--log-every", type=int, default=50, help="print the loss every N steps"
-    )
-    parser.add_argument(
-        "--checkpoint-dir",
-        type=Path,
-        default=Path(os.environ.get("CHECKPOINT_DIR", "checkpoints")),
-        help=(
-            "shared storage that outlives the job and that every node sees "
-            "(default: $CHECKPOINT_DIR, set by job.sh)"
-        ),
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=20,
-        help="requeue the job at most this often: a guard against a job that loops",
-    )
-    parser.add_argument(
-        "--rendezvous-timeout",
-        type=float,
-        default=120,
-        help="seconds to wait for every process to join before giving up",
-    )
-    return parser.parse_args(argv)
-
-
-def main():
-    args = parse_args()
-    local_rank, rank, world_size = setup(args.rendezvous_timeout)
-    device = get_device(local_rank)
-    print(
-        f"[{rank}/{world_size}] Running on {socket.gethostname()}, device {device}",
-        flush=True,
-    )
-    dataset = TokenDataset(args)
-    check_sizes(args, world_size, len(dataset))
-    sampler = ResumableSampler(dataset, args.global_batch_size)
-    dataloader = DataLoader(dataset, batch_size=sampler.batch_size, sampler=sampler)
-    model = build_model(args, device)
-    # AdamW's two moments per parameter follow its
-    # sharding: each rank keeps its shard's.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    # The settings that shape training: a checkpoint written with
-    # others belongs to another run. The number of processes is
-    # not one of them: a checkpoint resumes on any number.
-    names = ["dataset_size", "data_file", "global_batch_size", "lr", "vocab_size",
-             "seq_len", "dim", "heads", "layers"]  # fmt: skip
-    settings = {name: str(getattr(args, name)) for name in names}
-    trainer = Trainer(
-        model, dataloader, optimizer, device, args.checkpoint_dir, settings
-    )
-    trainer.log_every = args.log_every
-    trainer.resume()
-    # From here on there is progress to lose: on either signal, stop after the current
-    # step and save. Until now, Python's default, to end at once, lost nothing, and it
-    # also ends a process stuck in the rendezvous, which a handler could not interrupt.
+def catch_stop_signals():
+    """From here on there is progress to lose: on SIGUSR1 or SIGTERM, stop and save."""
     signal.signal(signal.SIGUSR1, note_stop_signal)
     signal.signal(signal.SIGTERM, note_stop_signal)
-    stopped_by = trainer.train(args.epochs)
-    if stopped_by:
-        print(
-            f"[{rank}/{world_size}] Stopped at step {trainer.step}, checkpoint saved",
-            flush=True,
-        )
-        # SIGUSR1 warns of the time limit, at which the job would
-        # end for good: requeue it. After SIGTERM, Slurm is ending
-        # the job already, and requeues it if it preempted it.
-        if stopped_by == signal.SIGUSR1 and rank == 0:
-            requeue(args.max_restarts)
-        return
-
-    summary = {
-        "rank": rank,
-        "world_size": world_size,
-        "host": socket.gethostname(),
-        "steps": trainer.step,
-        "first_loss": trainer.losses[0],
-        "last_loss": trainer.losses[-1],
-        "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
-    }
-    print(f"summary: {json.dumps(summary)}", flush=True)
-    # What this rank holds, counted from its own shards: about 1/world_size of each.
-    shards = {"rank": rank, **local_sizes(model, optimizer)}
-    print(f"shards: {json.dumps(shards)}", flush=True)
 
 
-def check_sizes(args, world_size: int, sequences: int):
-    """Stops with the cause when the model or the batches cannot be split as asked."""
-    if not 1 <= args.global_batch_size <= sequences:
-        raise SystemExit(
-            f"error: --global-batch-size {args.global_batch_size} must be at least 1 "
-            f"and at most the {sequences} sequences of the data, or no epoch holds a "
-            "whole global batch."
-        )
-    if args.dim % args.heads:
-        raise SystemExit(
-            f"error: --dim {args.dim} does not divide into --heads {args.heads}: each "
-            "attention head takes dim / heads features. Choose a --dim that is a "
-            "multiple of --heads."
-        )
-    if args.global_batch_size % world_size:
-        raise SystemExit(
-            f"error: --global-batch-size {args.global_batch_size} does not divide "
-            f"among {world_size} processes. Choose a multiple of {world_size}, or "
-            "another number of tasks, so that every process takes the same share of "
-            "each batch."
-        )
+def agree_to_stop(device: torch.device) -> int:
+    """The stop signal that any rank received, or 0. All ranks get the same answer."""
+    flag = torch.tensor([stop_signal], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag)
 
 
-def setup(rendezvous_timeout: float):
-    """Joins the process group as the task srun started;
-    returns local rank, rank, world size."""
-    if "SLURM_STEP_NUM_TASKS" not in os.environ:
-        # Without srun (in the batch script, say), only one process would start, and it
-        # would wait for the others forever.
-        raise SystemExit(
-            "error: not started by srun: SLURM_STEP_NUM_TASKS is not set. Start one "
-            "process per task with `srun python main.py` (job.sh does)."
-        )
-    rank = int(os.environ["SLURM_PROCID"])
-    local_rank = int(os.environ["SLURM_LOCALID"])
-    world_size = int(os.environ["SLURM_NTASKS"])
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    # The store where the processes meet, made here rather than by init_process_group so
-    # that joining has its own short timeout: the group's timeout also bounds every
-    # collective, and its default is 10 minutes of silence for NCCL and 30 for gloo.
+def start_fork_server():
+    """Starts the process that DataLoader workers are forked from, with the stop
+    signals blocked, and so its workers: Slurm signals every process of a step, and a
+    worker that died of one would fail this process before it could save."""
+    stop_signals = {signal.SIGTERM, signal.SIGUSR1}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
-        store = dist.TCPStore(
-            address,
-            port,
-            world_size,
-            is_master=rank == 0,
-            timeout=timedelta(seconds=rendezvous_timeout),
+        # The fork server needs multiprocessing's resource tracker, whose start unblocks
+        # SIGTERM again: start the tracker first, then block once more.
+        multiprocessing.resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way: it skips the samples
+    that the interrupted run already trained on, in the epoch's same order."""
+
+    skip = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self):
+        return max(self.num_samples - self.skip, 0)
+
+
+# The settings that shape training: a checkpoint written with others is another run's.
+# The number of processes is not one of them: a checkpoint resumes on any number.
+SETTINGS = (
+    "vocab_size", "seq_len", "dim", "heads", "layers", "synthetic_data",
+    "synthetic_size", "global_batch_size", "accumulation_steps", "learning_rate",
+    "warmup_steps", "weight_decay", "seed",
+)  # fmt: skip
+
+
+class Checkpoint:
+    """The run's checkpoints: folders of every rank's shards, named by epoch and step.
+    The latest holds all it takes to continue exactly, on any number of processes."""
+
+    def __init__(self, args):
+        self.root = args.checkpoint_dir
+        self.settings = {name: getattr(args, name) for name in SETTINGS}
+
+    def save(self, model, optimizer, scheduler, progress, train_log):
+        """Writes a checkpoint: each rank its shards, rank 0 the rest. All ranks call
+        it. Training draws no random numbers (no dropout; the sampler shuffles by
+        seed and epoch), so no random state is saved, unlike in step 5."""
+        mine = {"losses": train_log.total.cpu(), "losses_steps": train_log.steps}
+        ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, ranks, dst=0)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {
+            "scheduler": scheduler.state_dict(),
+            "progress": asdict(progress),
+            "settings": self.settings,
+            "ranks": ranks,
+        }
+        name = f"epoch-{progress.epoch:04d}-step-{progress.steps:08d}"
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        save_checkpoint(self.root / name, shards, state)
+
+    def load(self, model, optimizer, scheduler, progress, train_log):
+        """Restores the latest checkpoint, if there is one, whatever the number of
+        processes that wrote it."""
+        # Rank 0 chooses, for all: on a network file system, nodes can list a folder
+        # differently for a while, and ranks that loaded different checkpoints would
+        # wait on each other.
+        chosen = [latest_checkpoint(self.root) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)
+        if (path := chosen[0]) is None:
+            return
+        check_complete(path)
+        state = torch.load(path / "progress.pt", map_location="cpu", weights_only=True)
+        self.check(state, path)
+        # The sharded state of this run, which dcp.load fills in: each rank reads its
+        # shard of each tensor, from whichever files hold it, so that a checkpoint of
+        # 2 processes loads on 3.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(shards, checkpoint_id=path)
+        set_state_dict(
+            model, optimizer, model_state_dict=shards["model"],
+            optim_state_dict=shards["optimizer"],
+        )  # fmt: skip
+        scheduler.load_state_dict(state["scheduler"])
+        vars(progress).update(state["progress"])
+        # The losses that no log line has reported yet: this rank's own; on another
+        # number of processes, their mean, which the next line's mean over ranks keeps.
+        ranks, world_size = state["ranks"], dist.get_world_size()
+        same = len(ranks) == world_size
+        losses = [r["losses"] for r in ([ranks[dist.get_rank()]] if same else ranks)]
+        train_log.total.copy_(sum(losses) / len(losses))
+        train_log.steps = ranks[0]["losses_steps"]
+        how = "" if same else f", resharded from {len(ranks)} processes"
+        log.info(f"Resumed from {path} at step {progress.steps}{how}")
+
+    def check(self, state: dict, path: Path):
+        """Stops with the cause when the checkpoint belongs to another run."""
+        if state["settings"] != self.settings:
+            changes = ", ".join(
+                f"--{name.replace('_', '-')} {state['settings'].get(name)} -> {value}"
+                for name, value in self.settings.items()
+                if state["settings"].get(name) != value
+            )
+            raise SystemExit(
+                f"error: {path} belongs to a run with other settings ({changes}). "
+                "Resume with the same settings, or start a new run: another "
+                f"--job-name, or delete {self.root}."
+            )
+
+
+# A complete checkpoint's folder. One being written ends in ".tmp".
+CHECKPOINT_NAME = re.compile(r"epoch-(\d+)-step-(\d+)")
+UNFINISHED_NAME = re.compile(r"epoch-\d+-step-\d+\.tmp")
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints in `root`, oldest first."""
+    found = [p for p in root.glob("epoch-*") if CHECKPOINT_NAME.fullmatch(p.name)]
+    return sorted(
+        found,
+        key=lambda p: [int(n) for n in CHECKPOINT_NAME.fullmatch(p.name).groups()],
+    )
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = checkpoints(root)
+    return found[-1] if found else None
+
+
+def save_checkpoint(path: Path, shards: dict, state: dict):
+    """Writes a checkpoint folder that appears only when complete. All ranks call it.
+
+    Every rank writes its shards into `path`.tmp, and rank 0 `state`, as progress.pt.
+    Once all are on disk, rank 0 renames the folder to `path` and deletes the
+    checkpoints before it. A save killed half-way leaves only a .tmp folder, and the
+    previous checkpoint as it was.
+    """
+    partial = path.with_name(path.name + ".tmp")
+    if dist.get_rank() == 0:
+        # What saves that were killed half-way left behind.
+        for leftover in path.parent.glob("epoch-*.tmp"):
+            if UNFINISHED_NAME.fullmatch(leftover.name) and leftover.is_dir():
+                shutil.rmtree(leftover)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    # Each rank writes a file of its own and syncs it to disk. Rank 0 then writes the
+    # index of all of them, .metadata; dcp.save returns on all ranks once it has.
+    dcp.save(shards, checkpoint_id=partial)
+    if dist.get_rank() == 0:
+        save_atomically(state, partial / "progress.pt")
+        if path.exists():
+            # The same epoch and step, saved before: a run resumed from it and stopped
+            # again before a step. Nothing has changed since.
+            shutil.rmtree(partial)
+        else:
+            # A rename within one folder is a single step: readers see the whole
+            # folder, or none. Synced, as save_atomically() syncs its rename.
+            os.rename(partial, path)
+            folder = os.open(path.parent, os.O_RDONLY)
+            os.fsync(folder)
+            os.close(folder)
+        for older in checkpoints(path.parent):
+            if older != path:
+                # Renamed first: a kill during the deletion leaves a leftover, not a
+                # checkpoint that looks complete and is not.
+                doomed = older.rename(older.with_name(older.name + ".tmp"))
+                shutil.rmtree(doomed)
+    # No rank goes on, or exits, before the checkpoint is complete.
+    dist.barrier()
+
+
+def check_complete(path: Path):
+    """Stops with the cause when a file of the checkpoint in `path` is missing."""
+    missing = [
+        name for name in (".metadata", "progress.pt") if not (path / name).is_file()
+    ]
+    if not missing:
+        index = dcp.FileSystemReader(path).read_metadata()
+        needed = {item.relative_path for item in index.storage_data.values()}
+        missing = sorted(name for name in needed if not (path / name).is_file())
+    if missing:
+        raise SystemExit(
+            f"error: the checkpoint {path} lacks {', '.join(missing)}. Its folder got "
+            "its name only once every rank had written its part, so files went missing "
+            "since, or never reached this node: the checkpoint folder must be on "
+            "storage that every node sees, not a node's own disk. Delete the folder to "
+            "resume from an earlier checkpoint, if there is one, or to start over."
         )
+
+
+def save_atomically(state: dict, path: Path):
+    """Writes `state` to `path` so that a reader finds the old file or the new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        # On disk before the rename, so that a crash of the
+        # node cannot leave an empty file.
+        f.flush()
+        os.fsync(f.fileno())
+    # A rename within one folder replaces the old file in one step.
+    os.replace(tmp, path)
+    # The rename is a change to the folder: on disk too, or a crash can undo it.
+    folder = os.open(path.parent, os.O_RDONLY)
+    os.fsync(folder)
+    os.close(folder)
+
+
+def requeue(max_restarts: int):
+    """Puts this job back in the queue: Slurm ends it now and starts it again later.
+    Not after `max_restarts`: a job that cannot finish would loop for good."""
+    job_id = os.environ["SLURM_JOB_ID"]
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
+    if restarts >= max_restarts:
+        raise SystemExit(
+            f"error: job {job_id} is not requeued: it has started {restarts + 1} "
+            f"times, and --max-restarts is {max_restarts}. {resubmit}"
+        )
+    log.info(f"Requeueing job {job_id}")
+    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
+    result = subprocess.run(["scontrol", "requeue", job_id])
+    # The requeue ends every process of the job, scontrol included: SIGTERM is success.
+    if result.returncode not in (0, -signal.SIGTERM):
+        raise SystemExit(
+            f"error: `scontrol requeue {job_id}` failed, so the job will not start "
+            f"again by itself. {resubmit}"
+        )
+
+
+# ---- Plumbing: the same in every example (tests/test_examples.py checks it) ----------
+
+
+class Place(NamedTuple):
+    """Where this process stands in the job."""
+
+    rank: int  # its number among all processes, from 0
+    local_rank: int  # its number among the processes of its node: picks its GPU
+    world_size: int  # the number of processes
+
+
+def setup(rendezvous_timeout: float = 120) -> Place:
+    """Joins the process group, whoever started this process: srun, torchrun, or none.
+
+    RANK, LOCAL_RANK and WORLD_SIZE are set for libraries that read them, as torchrun
+    sets them. Under srun, joining waits at most `rendezvous_timeout` seconds: the
+    group's own timeout also bounds every collective, 10 minutes for NCCL and 30 for
+    gloo by default.
+    """
+    place, launcher = find_place()
+    os.environ.update(
+        RANK=str(place.rank),
+        LOCAL_RANK=str(place.local_rank),
+        WORLD_SIZE=str(place.world_size),
+    )
+    backend = "nccl" if use_gpus() else "gloo"
+    if launcher == "torchrun":
+        # torchrun's rendezvous is done: env:// meets its store.
+        dist.init_process_group(backend)
+        return place
+    if launcher == "single process":
+        store = dist.HashStore()  # no other process to meet
+    else:
+        store = rendezvous(place, rendezvous_timeout)
+    dist.init_process_group(
+        backend, store=store, rank=place.rank, world_size=place.world_size
+    )
+    return place
+
+
+def find_place() -> tuple[Place, str]:
+    """This process's place, from the variables of the launcher that started it."""
+    env = os.environ
+    launch = "Start one process per task with `srun python main.py` (job.sh does)"
+    variables = {
+        "torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
+        # Only a task that srun started has SLURM_STEP_NUM_TASKS. The batch script
+        # has SLURM_PROCID=0 and the job's SLURM_NTASKS too, but no step.
+        "srun": (
+            "SLURM_PROCID",
+            "SLURM_LOCALID",
+            "SLURM_NTASKS",
+            "SLURM_STEP_NUM_TASKS",
+        ),
+    }
+    for launcher, names in variables.items():
+        if all(name in env for name in names):
+            place = Place(*(int(env[name]) for name in names[:3]))
+            if not 0 <= place.rank < place.world_size:
+                raise SystemExit(
+                    f"error: rank {place.rank} does not fit a world of "
+                    f"{place.world_size}: {launcher}'s variables were set or changed "
+                    f"by hand. {launch}."
+                )
+            return place, launcher
+    if int(env.get("SLURM_NTASKS", "1")) > 1:
+        raise SystemExit(
+            "error: main.py was started by the batch script, not by srun. The job has "
+            f"{env['SLURM_NTASKS']} task(s); without srun only this process runs, and "
+            f"it would wait forever for the others. {launch}."
+        )
+    if found := [name for name in ("RANK", "OMPI_COMM_WORLD_RANK") if name in env]:
+        raise SystemExit(
+            f"error: cannot tell this process's rank (found {', '.join(found)}). "
+            "main.py reads RANK, LOCAL_RANK, WORLD_SIZE (torchrun) or SLURM_PROCID, "
+            "SLURM_LOCALID, SLURM_NTASKS (srun), or none of them (a single process)."
+        )
+    return Place(0, 0, 1), "single process"
+
+
+def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
+    """The store where srun's tasks meet: rank 0 serves it at MASTER_ADDR:MASTER_PORT,
+    which job.sh exports, and the others connect."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise SystemExit(
+                f"error: {name} is not set. job.sh exports MASTER_ADDR and MASTER_PORT "
+                "before srun; export them too when you launch by hand."
+            )
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    host = socket.gethostname()
+    try:
+        return dist.TCPStore(
+            address, port, place.world_size, is_master=place.rank == 0,
+            timeout=timedelta(seconds=timeout),
+        )  # fmt: skip
     except dist.DistError as error:
         if "EADDRINUSE" in str(error):
             raise SystemExit(
-                f"error: rank 0 cannot listen on port {port} of "
-                f"{socket.gethostname()}: another process holds it. job.sh derives "
-                "MASTER_PORT from the job ID; a port fixed by hand collides with other "
-                "jobs on the node. Pick another, from 10000-19999."
+                f"error: rank 0 cannot listen on port {port} of {host}: another "
+                "process holds it. job.sh derives MASTER_PORT from the job ID; a port "
+                "fixed by hand collides with other jobs on the node. Pick another, "
+                "from 10000-19999."
             ) from None
         raise SystemExit(
-            f"error: rank {rank} on {socket.gethostname()} waited "
-            f"{rendezvous_timeout:.0f} s for the rendezvous at {address}:{port}, and "
-            f"not all {world_size} processes joined. Rank 0 must run on MASTER_ADDR "
-            "(the job's first node): check that the node is up, that its task started, "
-            f"and that MASTER_ADDR names it.\n({type(error).__name__}: "
-            f"{str(error).splitlines()[0]})"
+            f"error: rank {place.rank} on {host} waited {timeout:.0f} s for the "
+            f"rendezvous at {address}:{port}, and not all {place.world_size} processes "
+            "joined. Rank 0 must run on MASTER_ADDR (the job's first node): check that "
+            "the node is up, that its task started, and that MASTER_ADDR names it.\n"
+            f"({type(error).__name__}: {str(error).splitlines()[0]})"
         ) from None
-    backend = "nccl" if use_gpus() else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    return local_rank, rank, world_size
 
 
 def use_gpus() -> bool:
@@ -288,501 +1238,25 @@ def get_device(local_rank: int) -> torch.device:
     return device
 
 
-def mixed_precision(device: torch.device) -> MixedPrecisionPolicy:
-    """bf16 compute on GPUs that have it; float32 otherwise.
-
-    FSDP2 casts each shard to bf16 before gathering it, so forward, backward
-    and the gathers run in bf16. Gradients are reduce-scattered in float32, so
-    that their sum over processes keeps its precision, and the optimizer
-    updates the float32 shards, so that small updates are not lost. GPUs before
-    compute capability 8.0 (T4, RTX 8000) have no native bf16. On CPUs, stay in
-    float32: gloo's bf16 collectives have failed in some versions of torch.
-    """
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
-        return MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-        )
-    return MixedPrecisionPolicy()
-
-
-def build_model(args, device: torch.device) -> nn.Module:
-    """The language model, sharded over all processes, each
-    holding only its own shard."""
-    # On the meta device, modules have shapes but no
-    # memory: no process builds the whole model.
-    with torch.device("meta"):
-        model = TinyLM(args.vocab_size, args.seq_len, args.dim, args.heads, args.layers)
-    # An explicit mesh of the device type in use. Without one,
-    # FSDP2 builds it for the accelerator, which fails for a
-    # gloo group on a CUDA build of torch (pytorch#132471).
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = mixed_precision(device)
-    # Each block is a unit: gathered whole for its forward and backward, then freed, and
-    # its gradients reduce-scattered while the next block computes. The root takes what
-    # is left: the embeddings, the last norm and the output layer.
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    # Memory for this rank's shards only, then their values.
-    model.to_empty(device=device)
-    init_weights(model)
-    return model
-
-
-def init_weights(model: nn.Module, seed: int = 0):
-    """Fills in every parameter, one at a time; each rank keeps its shard.
-
-    Every rank draws each whole parameter from the same seed and keeps its own part, so
-    that the weights are the same on any number of processes. The default initialisation
-    of modules would not do: on CPUs, every shard of a parameter would get the same
-    values. The cost: each rank draws the whole model, one parameter at a time, which
-    for billions of parameters takes minutes. (Models that large usually start from
-    pretrained weights, which dcp.load shards.)
-    """
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            full = torch.empty(param.shape)
-            if param.ndim == 1:
-                full.fill_(1.0)  # the norms' scales
-            else:
-                full.normal_(0.0, 0.02, generator=generator)
-            # src_data_rank=None: each rank cuts its shard
-            # from its own copy, without sending.
-            shard = distribute_tensor(
-                full.to(param.device),
-                param.device_mesh,
-                param.placements,
-                src_data_rank=None,
-            )
-            param.copy_(shard)
-            del full, shard  # one whole parameter at a time, on the GPU too
-
-
-class TinyLM(nn.Module):
-    """A decoder-only transformer: token and position
-    embeddings, blocks, a norm, the output."""
-
-    def __init__(
-        self, vocab_size: int, seq_len: int, dim: int, heads: int, layers: int
-    ):
-        super().__init__()
-        self.embed = nn.Embedding(vocab_size, dim)
-        self.position = nn.Embedding(seq_len, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim, bias=False)
-        self.head = nn.Linear(dim, vocab_size, bias=False)
-
-    def forward(self, tokens):
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.embed(tokens) + self.position(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
-class Block(nn.Module):
-    """Causal self-attention, then an MLP, each added to its input."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.attention_norm = nn.LayerNorm(dim, bias=False)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.out = nn.Linear(dim, dim, bias=False)
-        self.mlp_norm = nn.LayerNorm(dim, bias=False)
-        self.mlp = nn.Sequential(
-            nn.Linear(dim, 4 * dim, bias=False),
-            nn.GELU(),
-            nn.Linear(4 * dim, dim, bias=False),
-        )
-
-    def forward(self, x):
-        batch, length, dim = x.shape
-        qkv = self.qkv(self.attention_norm(x)).view(batch, length, 3, self.heads, -1)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each: batch, heads, length, dim / heads
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(attended.transpose(1, 2).reshape(batch, length, dim))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class ResumableSampler(DistributedSampler):
-    """This rank's share of each step's global batch; an epoch can start part-way.
-
-    A DistributedSampler deals an epoch's shuffled samples out to the ranks in turn, so
-    the first `global_batch_size` samples of the order make the first global batch,
-    whatever the number of processes. Epochs end after the last whole global batch, so
-    that every number of processes trains on exactly the same batches.
-    """
-
-    def __init__(self, dataset, global_batch_size: int):
-        super().__init__(dataset)
-        self.batch_size = global_batch_size // self.num_replicas  # per process
-        self.steps_per_epoch = len(dataset) // global_batch_size
-        self.skip_steps = 0
-
-    def __iter__(self):
-        start, stop = (
-            self.skip_steps * self.batch_size,
-            self.steps_per_epoch * self.batch_size,
-        )
-        return itertools.islice(super().__iter__(), start, stop)
-
-    def __len__(self):
-        return (self.steps_per_epoch - self.skip_steps) * self.batch_size
-
-
-class Trainer:
-    """Trains the sharded model, and saves and restores
-    everything needed to continue exactly."""
-
-    def __init__(
-        self, model, dataloader, optimizer, device, checkpoint_dir: Path, settings
-    ):
-        self.device = device
-        self.settings = settings
-        self.dataloader = dataloader
-        self.optimizer = optimizer
-        self.checkpoint_dir = checkpoint_dir
-        self.model = model
-        self.log_every = 0  # print the loss every this many steps; 0: never
-        self.epoch = 0
-        self.step = 0  # steps taken in all
-        self.epoch_step = 0  # steps taken in this epoch
-        self.losses = []  # the mean loss of each finished epoch
-        # The sum of this epoch's step losses so far, each the mean over all processes:
-        # the same on every rank, and on any number of processes.
-        self.epoch_loss = torch.zeros((), device=device)
-
-    def resume(self):
-        """Loads the latest checkpoint, if there is one,
-        whatever the number of processes."""
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        # Rank 0 chooses, for all: on a network file system, nodes
-        # can list a folder differently for a while, and ranks that
-        # loaded different checkpoints would wait on each other.
-        chosen = [latest_checkpoint(self.checkpoint_dir) if rank == 0 else None]
-        dist.broadcast_object_list(chosen, src=0)
-        path = chosen[0]
-        if path is None:
-            if rank == 0:
-                print(f"No checkpoint in {self.checkpoint_dir}: a new run", flush=True)
-            return
-        check_complete(path)
-        progress = torch.load(path / "progress.pt", weights_only=True)
-        if progress["settings"] != self.settings:
-            changes = ", ".join(
-                f"--{name.replace('_', '-')} {progress['settings'][name]} -> {value}"
-                for name, value in self.settings.items()
-                if progress["settings"][name] != value
-            )
-            raise SystemExit(
-                f"error: {path} belongs to a run with other settings ({changes}). "
-                "Resume with the same settings, or start a new run: another "
-                f"--job-name, or delete {self.checkpoint_dir}."
-            )
-        # The sharded state of this run, which dcp.load fills in:
-        # each rank reads its shard of each tensor, from whichever
-        # files hold it, so a checkpoint of 2 processes loads on 3.
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
-        self.epoch, self.step = progress["epoch"], progress["step"]
-        self.epoch_step, self.losses = progress["epoch_step"], progress["losses"]
-        self.epoch_loss.fill_(progress["epoch_loss"])
-        if rank == 0:
-            written_by = progress["world_size"]
-            how = (
-                f", resharded from {written_by} processes"
-                if written_by != world_size
-                else ""
-            )
-            print(f"Resumed from {path} at step {self.step}{how}", flush=True)
-
-    def save(self):
-        """Writes a checkpoint: each rank its shards, rank
-        0 the progress. All ranks call it."""
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        # Nothing in training draws random numbers, so no random state is saved. Dropout
-        # would: then save each rank's, as the checkpointing step does.
-        progress = {
-            "epoch": self.epoch,
-            "step": self.step,
-            "epoch_step": self.epoch_step,
-            "losses": self.losses,
-            "epoch_loss": self.epoch_loss.item(),
-            "settings": self.settings,
-            "world_size": dist.get_world_size(),
-        }
-        name = f"epoch-{self.epoch:04d}-step-{self.step:08d}"
-        state = {"model": model_state, "optimizer": optimizer_state}
-        save_checkpoint(self.checkpoint_dir / name, state, progress)
-
-    def agree_to_stop(self) -> int:
-        """The stop signal that any rank received, or 0.
-        All ranks get the same answer."""
-        flag = torch.tensor([stop_signal], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag)
-
-    def _run_batch(self, tokens):
-        self.optimizer.zero_grad()
-        logits = self.model(tokens[:, :-1])
-        # Each position predicts the next token. In float32, even where the model
-        # computes in bf16: the softmax over the vocabulary needs the precision.
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        # FSDP2 reduce-scatters the gradients block by block
-        # during backward, averaged over all processes: each
-        # rank receives the mean gradient of its own shard only.
-        loss.backward()
-        self.optimizer.step()
-        return loss.detach()
-
-    def train(self, max_epochs: int) -> int:
-        """Trains until max_epochs; returns 0, or the
-        signal that stopped training before."""
-        sampler = self.dataloader.sampler
-        world_size = dist.get_world_size()
-        while self.epoch < max_epochs:
-            sampler.set_epoch(self.epoch)
-            # A resumed epoch skips the global batches its
-            # interrupted run already trained on.
-            sampler.skip_steps = self.epoch_step
-            for tokens in self.dataloader:
-                loss = self._run_batch(tokens.to(self.device))
-                # The step's loss over all processes, each
-                # rank's being the mean of its share.
-                dist.all_reduce(loss)
-                self.epoch_loss += loss / world_size
-                self.step += 1
-                self.epoch_step += 1
-                if (
-                    self.log_every
-                    and self.step % self.log_every == 0
-                    and dist.get_rank() == 0
-                ):
-                    print(
-                        f"step {self.step}: loss {loss.item() / world_size:.5f}",
-                        flush=True,
-                    )
-                signum = self.agree_to_stop()
-                if signum:
-                    self.save()
-                    return signum
-            self.losses.append((self.epoch_loss / sampler.steps_per_epoch).item())
-            if dist.get_rank() == 0:
-                print(
-                    f"epoch {self.epoch}: mean loss {self.losses[-1]:.4f}", flush=True
-                )
-            self.epoch += 1
-            self.epoch_step = 0
-            self.epoch_loss.zero_()
-            self.save()
-        return 0
-
-
-def local_sizes(model: nn.Module, optimizer) -> dict[str, int]:
-    """The number of values of the model and of its
-    optimizer state that this rank holds."""
-    parameters = sum(param.to_local().numel() for param in model.parameters())
-    optimizer_state = sum(
-        value.to_local().numel()
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor) and value.ndim > 0  # not the step counts
-    )
-    return {"parameters": parameters, "optimizer_state": optimizer_state}
-
-
-# A complete checkpoint's folder. One being written ends in ".tmp".
-CHECKPOINT_NAME = re.compile(r"epoch-(\d+)-step-(\d+)")
-UNFINISHED_NAME = re.compile(r"epoch-\d+-step-\d+\.tmp")
-
-
-def checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoints in `root`, oldest first."""
-    found = [p for p in root.glob("epoch-*") if CHECKPOINT_NAME.fullmatch(p.name)]
-    return sorted(
-        found,
-        key=lambda p: [int(n) for n in CHECKPOINT_NAME.fullmatch(p.name).groups()],
-    )
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = checkpoints(root)
-    return found[-1] if found else None
-
-
-def save_checkpoint(path: Path, state: dict, progress: dict):
-    """Writes a checkpoint folder that appears only when complete. All ranks call it.
-
-    Every rank writes its shards into `path`.tmp, and rank 0 the
-    progress. Once all are on disk, rank 0 renames the folder to `path`
-    and deletes the checkpoints before it. A save killed half-way
-    leaves only a .tmp folder, and the previous checkpoint as it was.
-    """
-    partial = path.with_name(path.name + ".tmp")
-    if dist.get_rank() == 0:
-        # What saves that were killed half-way left behind.
-        for leftover in path.parent.glob("epoch-*.tmp"):
-            if UNFINISHED_NAME.fullmatch(leftover.name) and leftover.is_dir():
-                shutil.rmtree(leftover)
-        partial.mkdir(parents=True)
-    dist.barrier()
-    # Each rank writes a file of its own and syncs it to disk. Rank 0 then writes the
-    # index of all of them, .metadata; dcp.save returns on all ranks once it has.
-    dcp.save(state, checkpoint_id=partial)
-    if dist.get_rank() == 0:
-        save_atomically(progress, partial / "progress.pt")
-        # A rename within one folder is a single step:
-        # readers see the whole folder, or none.
-        os.rename(partial, path)
-        sync_folder(path.parent)
-        for older in checkpoints(path.parent):
-            if older != path:
-                # Renamed first: a kill during the deletion leaves a leftover, not a
-                # checkpoint that looks complete and is not.
-                doomed = older.rename(older.with_name(older.name + ".tmp"))
-                shutil.rmtree(doomed)
-    # No rank goes on, or exits, before the checkpoint is complete.
-    dist.barrier()
-
-
-def check_complete(path: Path):
-    """Stops with the cause when a file of the checkpoint in `path` is missing."""
-    missing = [
-        name for name in (".metadata", "progress.pt") if not (path / name).is_file()
-    ]
-    if not missing:
-        index = dcp.FileSystemReader(path).read_metadata()
-        needed = {item.relative_path for item in index.storage_data.values()}
-        missing = sorted(name for name in needed if not (path / name).is_file())
-    if missing:
-        raise SystemExit(
-            f"error: the checkpoint {path} lacks {', '.join(missing)}. Its folder got "
-            "its name only once every rank had written its part, so files went missing "
-            "since, or never reached this node: the checkpoint folder must be on "
-            "storage that every node sees, not a node's own disk. Delete the folder to "
-            "resume from an earlier checkpoint, if there is one, or to start over."
-        )
-
-
-def save_atomically(state: dict, path: Path):
-    """Writes `state` to `path` so that a reader finds the
-    old file or the new, never a mix."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        # On disk before the rename, so that a crash of the
-        # node cannot leave an empty file.
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    sync_folder(path.parent)
-
-
-def sync_folder(path: Path):
-    # A rename is a change to the folder: on disk too, or a crash can undo it.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def requeue(max_restarts: int):
-    """Puts this job back in the queue: Slurm ends it now and starts it again later.
-
-    Refuses after `max_restarts`: a job that cannot finish
-    would otherwise loop for good.
-    """
-    job_id = os.environ["SLURM_JOB_ID"]
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-    resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
-    if restarts >= max_restarts:
-        raise SystemExit(
-            f"error: job {job_id} is not requeued: it has started {restarts + 1} "
-            f"times, and --max-restarts is {max_restarts}. {resubmit}"
-        )
-    print(f"Requeueing job {job_id}", flush=True)
-    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
-    result = subprocess.run(["scontrol", "requeue", job_id])
-    # The requeue ends every process of the job, scontrol
-    # included: its SIGTERM means success.
-    if result.returncode not in (0, -signal.SIGTERM):
-        raise SystemExit(
-            f"error: `scontrol requeue {job_id}` failed, so the job will not start "
-            f"again by itself. {resubmit}"
-        )
-
-
-class TokenDataset(Dataset):
-    """Sequences of seq_len + 1 token ids: the inputs, and each position's next token.
-
-    Synthetic by default: each sequence counts up from a random token in steps of a
-    random stride, modulo the vocabulary, a pattern that a model learns within an epoch.
-    With --data-file, consecutive pieces of that file of token ids.
-    """
-
-    def __init__(self, args):
-        self.length = args.seq_len + 1
-        if args.data_file is None:
-            generator = torch.Generator().manual_seed(
-                0
-            )  # the same data in every process
-            start = torch.randint(
-                args.vocab_size, (args.dataset_size, 1), generator=generator
-            )
-            stride = torch.randint(1, 8, (args.dataset_size, 1), generator=generator)
-            self.tokens = (start + stride * torch.arange(self.length)) % args.vocab_size
-            return
-        if not args.data_file.is_file():
-            raise SystemExit(f"error: --data-file {args.data_file}: no such file")
-        # Mapped, not read: every process shares the file's pages, however large it is.
-        self.file = np.memmap(args.data_file, dtype=np.uint16, mode="r")
-        if len(self.file) < self.length:
-            raise SystemExit(
-                f"error: --data-file {args.data_file} holds {len(self.file)} tokens, "
-                f"fewer than one sequence of --seq-len {args.seq_len} needs. It must "
-                "hold uint16 token ids."
-            )
-        # One pass over the file, now rather than hours into training: on a GPU, an id
-        # past the embedding's end is an opaque device-side assert.
-        chunk = 1 << 24
-        largest = max(
-            int(self.file[i : i + chunk].max()) for i in range(0, len(self.file), chunk)
-        )
-        if largest >= args.vocab_size:
-            raise SystemExit(
-                f"error: --data-file {args.data_file} holds token id {largest}, and "
-                f"--vocab-size is {args.vocab_size}. Give the vocabulary size of the "
-                "tokenizer that made it."
-            )
-        self.tokens = None
-
-    def __len__(self):
-        if self.tokens is not None:
-            return len(self.tokens)
-        return (len(self.file) - 1) // (self.length - 1)
-
-    def __getitem__(self, index: int):
-        if self.tokens is not None:
-            return self.tokens[index]
-        start = index * (self.length - 1)
-        return torch.from_numpy(self.file[start : start + self.length].astype(np.int64))
+def get_num_workers() -> int:
+    """DataLoader workers: this process's share of its
+    task's CPUs, less one for the process."""
+    # The CPUs that Slurm bound the task to. Where a site does not
+    # bind tasks to CPUs, that is the whole node: keep to what the
+    # job asked for as well. (macOS has no affinity: all its CPUs.)
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    if "SLURM_CPUS_PER_TASK" in os.environ:
+        cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    # torchrun's processes share their task's CPUs.
+    return max(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
 
 
 if __name__ == "__main__":
     main()
-    # The model and the optimizer's state sit in reference cycles that keep
-    # the process group alive. Collect them now, while Python can still run
-    # the group's threads down cleanly: left to the interpreter's exit,
-    # gloo's threads abort the process (exit code 134).
+    # The DDP model sits in reference cycles that keep the process group
+    # alive. Collect them now, while Python can still run the group's
+    # threads down cleanly: left to the interpreter's exit, gloo's
+    # threads abort the process (exit code 134) after a successful run.
     gc.collect()
     dist.destroy_process_group()
