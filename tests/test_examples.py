@@ -4,6 +4,8 @@ launches it, must train correctly."""
 import ast
 import dataclasses
 import re
+import time
+from pathlib import Path
 
 import pytest
 import tinyimagenet
@@ -191,7 +193,7 @@ def test_tinyimagenet_validation_labels_follow_the_annotations(name, tmp_path):
 PLUMBING = "# ---- Plumbing: the same in every example"
 PLUMBING_NAMES = [
     "Place", "setup", "find_place", "rendezvous", "use_gpus", "get_device",
-    "get_num_workers",
+    "get_num_workers", "end_with_rank",
 ]  # fmt: skip
 # Every example: one file structure, and one plumbing.
 STRUCTURED = list(EXAMPLES)
@@ -294,3 +296,61 @@ def test_a_missing_dataset_stops_every_rank_with_the_fix(tmp_path, name):
     assert run.output.count(f"error: {tmp_path} has no val folder") >= expected
     assert "train/<class>/<image> and val/<class>/<image>" in run.output
     assert "--synthetic-data" in run.output
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes below `pid`, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, not ended: a zombie (an ended process that no parent has reaped
+    yet) counts as ended."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("name", ["generic/multi_gpu", "generic/template"])
+def test_a_killed_rank_leaves_no_dataloader_worker_behind(name):
+    # DataLoader workers started from a fork server are the server's children. When a
+    # rank dies of SIGKILL (the OOM killer, say), they must end too: left behind, they
+    # hold the task's output open, and a Slurm whose process tracking lost them waits
+    # for them before it can end the step.
+    workers = {}
+
+    def kill_rank_1(procs, logs):
+        deadline = time.monotonic() + 120
+        while " step 2 |" not in logs[0].read_text():
+            assert time.monotonic() < deadline, logs[0].read_text()
+            time.sleep(0.05)
+        workers.update(
+            {pid: "below rank 1" for pid in descendants(procs[1].pid) if alive(pid)}
+        )
+        procs[1].kill()
+        procs[1].wait()  # reaped, as slurmstepd reaps its tasks
+
+    launch = dataclasses.replace(EXAMPLES[name], nodes=1, tasks_per_node=2)
+    args = (*launch.args, "--max-steps", "400", "--epochs", "50")
+    run_example(name, launch, args, while_running=kill_rank_1, timeout=60)
+    # Rank 1 had a fork server, a resource tracker and a DataLoader worker.
+    assert len(workers) >= 3, workers
+    deadline = time.monotonic() + 15
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in workers if alive(pid)]
+    assert not left, f"still running 15 s after rank 1 was killed: {left}"

@@ -11,6 +11,7 @@ Try the job before the data is in place:
 """
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -23,6 +24,8 @@ import os
 import signal
 import socket
 import subprocess
+import threading
+import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -310,6 +313,8 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
         # Workers that stay from one epoch to the next keep their copy of the
         # dataset: no new ones start, each copying it again, at every epoch.
         "persistent_workers": workers > 0,
+        # Workers end when this process ends, however it ends.
+        "worker_init_fn": functools.partial(end_with_rank, os.getpid()),
     }
     # Each process trains on its own 1/world_size of every epoch, shuffled by the
     # sampler. It pads the shares with repeated samples to make them equal.
@@ -812,6 +817,27 @@ def get_num_workers() -> int:
         cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
     # torchrun's processes share their task's CPUs.
     return max(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
+
+
+def end_with_rank(rank_pid: int, worker_id: int):
+    """Starts each DataLoader worker (its worker_init_fn) with a thread that ends the
+    worker once process `rank_pid`, the one it loads batches for, has ended.
+
+    Workers from a fork server are the server's children, not their process's. If the
+    process dies of SIGKILL (the kernel's out-of-memory killer, say), they and the
+    server would wait for it forever, holding its output open, out of reach of Slurm's
+    process tracking where it follows parents and children only.
+    """
+
+    def watch():
+        while True:
+            time.sleep(1)
+            try:
+                os.kill(rank_pid, 0)  # signal 0: only asks whether it exists
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 if __name__ == "__main__":
