@@ -1,5 +1,5 @@
 #!/bin/bash
-#SBATCH --job-name=classifier
+#SBATCH --job-name=template
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4
 #SBATCH --gpus-per-node=4
@@ -16,7 +16,7 @@
 #SBATCH --open-mode=append
 # The job name names the run: its checkpoints are kept under it, so that a job
 # resubmitted with the same name resumes, after a time limit, an scancel or a failed
-# requeue. Start a new run with another name: `sbatch --job-name=classifier-2 job.sh`.
+# requeue. Start a new run with another name: `sbatch --job-name=template-2 job.sh`.
 # singleton: one job of a name runs at a time, or two would write the same checkpoints.
 #SBATCH --dependency=singleton
 # --- Site-specific #SBATCH lines: remove a "#" to use one -----------------------------
