@@ -4,6 +4,7 @@ its speed settings, and a model of another kind swapped in through its reader's 
 
 import argparse
 import dataclasses
+import os
 import re
 import shutil
 import signal
@@ -144,6 +145,11 @@ def test_setup_sets_the_variables_that_libraries_read(example, monkeypatch):
     srun = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
             "SLURM_STEP_NUM_TASKS": "1", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()), "TRAIN_ON_CPU": "1"}  # fmt: skip
+    # setup() writes to os.environ: give it a copy, or RANK, LOCAL_RANK and WORLD_SIZE
+    # would stay set in this process for the tests after this one, and reach their
+    # jobs (sbatch passes its environment on), whose every task would then take itself
+    # for rank 0 of 1.
+    monkeypatch.setattr(os, "environ", os.environ.copy())
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in srun.items():
@@ -288,3 +294,8 @@ def test_a_model_of_another_kind_needs_only_the_readers_section(tmp_path):
         tmp_path / run / "checkpoint.pt", map_location="cpu", weights_only=True
     )
     assert_bitwise_equal(load("stopped"), load("plain"))
+
+
+def test_the_variables_that_setup_sets_do_not_outlive_their_test():
+    # Runs after the test above (pytest keeps the file's order).
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} & set(os.environ)
