@@ -59,16 +59,16 @@ GENERIC_VAL_SAMPLES = 25
 # The template: micro-batches of 4, accumulated 2 by 2.
 TEMPLATE_SMOKE_ARGS = (*GENERIC_SMOKE_ARGS, "--accumulation-steps", "2")
 # The FSDP2 example: a tiny language model on synthetic token sequences, 8 global
-# batches of 12 sequences an epoch, and 9 validation sequences, which 2 processes split
-# unevenly. 12 divides among 1, 2, 3 and 4 processes, so every test layout trains on
-# the same batches.
+# batches of 24 sequences an epoch, and 19 validation sequences, which 2 processes split
+# unevenly. 24 divides among 1, 2, 3, 4 and 8 processes (job.sh's 2 nodes x 4 tasks),
+# so every test layout trains on the same batches.
 FSDP_SMOKE_ARGS = (
-    "--synthetic-data", "--epochs", "2", "--synthetic-size", "96",
-    "--global-batch-size", "12", "--warmup-steps", "2", "--log-every", "2",
+    "--synthetic-data", "--epochs", "2", "--synthetic-size", "192",
+    "--global-batch-size", "24", "--warmup-steps", "2", "--log-every", "2",
     "--vocab-size", "64", "--seq-len", "16", "--dim", "32", "--heads", "2",
     "--layers", "2",
 )  # fmt: skip
-FSDP_VAL_SAMPLES = 9
+FSDP_VAL_SAMPLES = 19
 
 
 @dataclass(frozen=True)

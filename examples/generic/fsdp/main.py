@@ -22,6 +22,7 @@ Try the job before the data is in place, as a run of its own name:
 
 import argparse
 import contextlib
+import functools
 import gc
 import itertools
 import json
@@ -36,6 +37,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -460,13 +462,21 @@ def init_weights(model: nn.Module, seed: int):
     of modules would not do: on CPUs, every shard of a parameter would get the same
     values. The cost: each rank draws the whole model, one parameter at a time, which
     for billions of parameters takes minutes. (Models that large usually start from
-    pretrained weights, which dcp.load shards.)
+    pretrained weights, which dcp.load shards.) Weights are drawn from N(0, 0.02),
+    biases are 0, and the norms' scales 1: adapt the rule to your model.
     """
+    if buffers := [name for name, _ in model.named_buffers()]:
+        raise SystemExit(
+            f"error: the model has buffers ({', '.join(buffers)}), which to_empty() "
+            "leaves unset. Fill them in init_weights(), as it fills the parameters."
+        )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             full = torch.empty(param.shape)
-            if param.ndim == 1:
+            if name.endswith("bias"):
+                full.zero_()
+            elif param.ndim == 1:
                 full.fill_(1.0)  # the norms' scales
             else:
                 full.normal_(0.0, 0.02, generator=generator)
@@ -509,6 +519,8 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
         # Workers that stay from one epoch to the next keep their copy of the
         # dataset: no new ones start, each copying it again, at every epoch.
         "persistent_workers": workers > 0,
+        # Workers end when this process ends, however it ends.
+        "worker_init_fn": functools.partial(end_with_rank, os.getpid()),
         # Pinned (page-locked) memory lets a copy to the GPU run without blocking
         # this process, which can queue the next step's work meanwhile.
         "pin_memory": args.pin_memory,
@@ -671,13 +683,7 @@ def log_line(progress: Progress, train_log: TrainLog, scheduler):
 @torch.no_grad()
 def validate(model: nn.Module, loader: DataLoader, device: torch.device, args):
     """The mean loss and accuracy over every validation sample, and their count; or
-    None if a rank was told to stop: all check after each batch that all shards have."""
-    shard = len(loader.dataset.dataset) // dist.get_world_size()  # the smallest one
-    stop_checks = shard // loader.batch_size
-    # BatchNorm's running statistics are the one state that DDP leaves different:
-    # each process updated them with its own batches. Take rank 0's.
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
+    None if a rank was told to stop: all check after each batch."""
     model.eval()
     # Sums, not means, so that a smaller last batch weighs exactly its size: loss,
     # right predictions and samples, in float64 to keep the counts exact.
@@ -688,7 +694,7 @@ def validate(model: nn.Module, loader: DataLoader, device: torch.device, args):
     most = torch.tensor(len(loader), device=device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     batches, last = iter(loader), None
-    for i in range(int(most)):
+    for _ in range(int(most)):
         batch = next(batches, None)
         last = last if batch is None else batch
         inputs, target = to_device(last, device)
@@ -699,7 +705,7 @@ def validate(model: nn.Module, loader: DataLoader, device: torch.device, args):
             sums[0] += loss_fn(output, target).double() * n
             sums[1] += correct(output, target)
             sums[2] += n
-        if i < stop_checks and agree_to_stop(device):
+        if agree_to_stop(device):
             return None
     # Each process saw its own shard: add the sums up, and every process has them.
     dist.all_reduce(sums)
@@ -792,7 +798,7 @@ def benchmark(model, optimizer, loader: DataLoader, args, place):
     rates["input_samples_per_s"] = n * loader.batch_size / (time.perf_counter() - begin)
     del batches
     model.train()
-    for timed in (False, True):  # untimed first: the autotuner and compiling
+    for timed in (False, True):  # untimed first: the first steps' allocations
         synchronize(device)
         begin = time.perf_counter()
         for _ in range(n if timed else 3):
@@ -1252,9 +1258,30 @@ def get_num_workers() -> int:
     return max(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
 
 
+def end_with_rank(rank_pid: int, worker_id: int):
+    """Starts each DataLoader worker (its worker_init_fn) with a thread that ends the
+    worker once process `rank_pid`, the one it loads batches for, has ended.
+
+    Workers from a fork server are the server's children, not their process's. If the
+    process dies of SIGKILL (the kernel's out-of-memory killer, say), they and the
+    server would wait for it forever, holding its output open, out of reach of Slurm's
+    process tracking where it follows parents and children only.
+    """
+
+    def watch():
+        while True:
+            time.sleep(1)
+            try:
+                os.kill(rank_pid, 0)  # signal 0: only asks whether it exists
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 if __name__ == "__main__":
     main()
-    # The DDP model sits in reference cycles that keep the process group
+    # The sharded model sits in reference cycles that keep the process group
     # alive. Collect them now, while Python can still run the group's
     # threads down cleanly: left to the interpreter's exit, gloo's
     # threads abort the process (exit code 134) after a successful run.
