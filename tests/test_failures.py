@@ -406,14 +406,14 @@ def test_resuming_with_another_task_count_fails_fast(lab, tmp_path):
     first = submit(lab, name, *EXAMPLES[name].args, workdir=tmp_path)
     assert lab.wait(first, tmp_path, timeout=120).ok
     checkpoints = lab.state / "scratch" / "checkpoints" / run_name(tmp_path)
-    # The same checkpoints, with 2 tasks instead of 4.
+    # The same checkpoints, with 2 tasks instead of job.sh's 2 x 4.
     job_id = submit(
         lab, name, *EXAMPLES[name].args, "--checkpoint-dir", str(checkpoints),
         workdir=tmp_path,
         options=ONE_TASK_PER_NODE,
     )  # fmt: skip
     job = timed_job(lab, job_id, tmp_path, "resume with 2 tasks from 4")
-    assert "was written by 4 processes, and this job has 2" in job.output
+    assert "was written by 8 processes, and this job has 2" in job.output
 
 
 def test_master_port_in_use_fails_fast(lab, tmp_path):
@@ -488,7 +488,8 @@ def test_a_job_given_gpus_that_cuda_cannot_use_fails_fast(lab, tmp_path):
         workdir=tmp_path, TRAIN_ON_CPU="",
     )  # fmt: skip
     job = timed_job(lab, job_id, tmp_path, "GPUs that CUDA cannot use")
+    # job.sh asks for 4 GPUs per node.
     assert re.search(
-        r"was given GPUs \(SLURM_GPUS_ON_NODE=2, CUDA_VISIBLE_DEVICES=\S+\)", job.output
+        r"was given GPUs \(SLURM_GPUS_ON_NODE=4, CUDA_VISIBLE_DEVICES=\S+\)", job.output
     )
     assert "Running on" not in job.output

@@ -231,11 +231,12 @@ def test_site_profile_rejects_a_module_the_site_lacks(lab, tmp_path):
 def test_torchrun_script_refuses_one_task_per_gpu(lab, tmp_path, name):
     # The classic mistake: a task per GPU, each starting
     # torchrun, which starts a process per GPU: G x G processes.
-    # The guard in job.sh must stop the job before any starts.
+    # The guard in job.sh must stop the job before any starts. (Two tasks of 16 CPUs
+    # fit the test cluster's 32-CPU nodes; job.sh's one task takes up to 32.)
     script = EXAMPLES_DIR / name / "job.sh"
     job_id = lab.sbatch(
         script, *EXAMPLES[name].args, site=site_of(name), workdir=tmp_path,
-        options=["--ntasks-per-node=2"],
+        options=["--ntasks-per-node=2", "--cpus-per-task=16"],
     )  # fmt: skip
     job = lab.wait(job_id, tmp_path, timeout=60)
     assert not job.ok, job.output
