@@ -149,10 +149,29 @@ def assert_same_summaries(resumed, uninterrupted, restarts: int) -> list[dict]:
     return mine
 
 
-def test_a_preempted_job_resumes_exactly(lab, tmp_path):
+@pytest.fixture(scope="module")
+def exact_twin(lab, tmp_path_factory):
+    """generic/checkpointing with EXACT_RUN, never interrupted: the twin that both the
+    preempted job and the resubmitted one must end bitwise equal to. It starts with
+    the first test that asks for it; calling the fixture's value waits for its end."""
+    workdir = tmp_path_factory.mktemp("plain")
+    job_id = submit(
+        lab, "generic/checkpointing", *EXACT_RUN, workdir=workdir,
+        options=ONE_TASK_PER_NODE,
+    )  # fmt: skip
+    finished = {}
+
+    def wait():
+        if not finished:
+            finished["job"] = lab.wait(job_id, workdir, timeout=300)
+        return finished["job"], workdir
+
+    return wait
+
+
+def test_a_preempted_job_resumes_exactly(lab, tmp_path, exact_twin):
     name = "generic/checkpointing"
     options = ONE_TASK_PER_NODE
-    plain = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "plain", options=options)
     job = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "preempted", options=options)
     output = tmp_path / "preempted" / f"slurm-{job}.out"
 
@@ -179,7 +198,7 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path):
         interrupt()
         restart_when_requeued(lab, job, restarts)
     preempted = lab.wait(job, tmp_path / "preempted", timeout=300)
-    uninterrupted = lab.wait(plain, tmp_path / "plain", timeout=300)
+    uninterrupted, plain = exact_twin()
     assert uninterrupted.ok, uninterrupted.output
     assert preempted.ok, preempted.output
 
@@ -198,8 +217,7 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path):
     # are bitwise those of the run that was never interrupted; the
     # summaries differ only in the restart count.
     assert_bitwise_equal(
-        checkpoint_of(lab, tmp_path / "preempted"),
-        checkpoint_of(lab, tmp_path / "plain"),
+        checkpoint_of(lab, tmp_path / "preempted"), checkpoint_of(lab, plain)
     )
     mine = assert_same_summaries(preempted, uninterrupted, restarts=3)
     print(
@@ -286,13 +304,12 @@ def test_a_warned_fsdp_job_requeues_itself_and_resumes_exactly(lab, tmp_path):
     )
 
 
-def test_a_cancelled_job_resumes_when_resubmitted(lab, tmp_path):
+def test_a_cancelled_job_resumes_when_resubmitted(lab, tmp_path, exact_twin):
     # scancel, a time limit or a failed requeue end the job for
     # good; the user submits job.sh again, which gives it a new
     # job ID. Checkpoints kept under the job name let it resume.
     name = "generic/checkpointing"
     options = ONE_TASK_PER_NODE
-    plain = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "plain", options=options)
     first = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "run", options=options)
     output = tmp_path / "run" / f"slurm-{first}.out"
     wait_until(lambda: EPOCH_END in read(output), 120, "an epoch of training")
@@ -310,12 +327,12 @@ def test_a_cancelled_job_resumes_when_resubmitted(lab, tmp_path):
     again = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "run", options=options)
     assert again != first
     resubmitted = lab.wait(again, tmp_path / "run", timeout=300)
-    uninterrupted = lab.wait(plain, tmp_path / "plain", timeout=300)
+    uninterrupted, plain = exact_twin()
     assert resubmitted.ok, resubmitted.output
     assert uninterrupted.ok, uninterrupted.output
     assert re.search(rf"Resumed from \S+ at step {stops[0]}\b", resubmitted.output)
     assert_bitwise_equal(
-        checkpoint_of(lab, tmp_path / "run"), checkpoint_of(lab, tmp_path / "plain")
+        checkpoint_of(lab, tmp_path / "run"), checkpoint_of(lab, plain)
     )
     assert numbers(parse_summaries(resubmitted.output)) == numbers(
         parse_summaries(uninterrupted.output)

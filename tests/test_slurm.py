@@ -132,7 +132,24 @@ def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
             assert s["host"] == hosts[s["rank"] // per_node], report
 
 
-@pytest.mark.parametrize("name", NAMES)
+# The direct launches (smoke.py) stand in for Slurm in the other tests: they must
+# compute what Slurm's launch computes. Checked once per site profile and launcher,
+# since each pair sets its own variables and CPUs; for mp.spawn, which starts its
+# processes itself; and for the FSDP2 step, which shards across the nodes. (A direct
+# run at job.sh's 8 processes takes half a minute on 2 cores.)
+COMPARED = [
+    "generic/single_gpu", "generic/template", "generic/fsdp", "launchers/srun_torchrun",
+    "launchers/mp_spawn", "mila/single_gpu", "mila/checkpointing", "ibex/multi_node",
+    "ibex/multi_node_legacy",
+]  # fmt: skip
+
+
+def test_every_site_and_launcher_is_compared_with_a_direct_run():
+    pairs = {(site_of(name), EXAMPLES[name].launcher) for name in NAMES}
+    assert {(site_of(name), EXAMPLES[name].launcher) for name in COMPARED} == pairs
+
+
+@pytest.mark.parametrize("name", COMPARED)
 def test_job_results_match_the_direct_smoke_run(jobs, smoke_run, name):
     job = jobs(name)
     assert job.ok, job.output
