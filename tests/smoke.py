@@ -376,6 +376,28 @@ def run_example(
     return run
 
 
+def descendants(pid: int) -> list[int]:
+    """The PIDs of the processes that `pid` started, and of theirs, and so on.
+
+    A rank's DataLoader workers are its grandchildren: they come from a fork server.
+    """
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name, in parentheses, may hold
+            # spaces: the fields follow the last ")".
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
 def wait_all(
     procs: list[subprocess.Popen], timeout: float, grace: float = 20
 ) -> list[int]:

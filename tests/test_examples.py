@@ -17,6 +17,7 @@ from smoke import (
     Launch,
     base_env,
     check_run,
+    descendants,
     load_main,
     numbers,
     run_example,
@@ -296,23 +297,6 @@ def test_a_missing_dataset_stops_every_rank_with_the_fix(tmp_path, name):
     assert run.output.count(f"error: {tmp_path} has no val folder") >= expected
     assert "train/<class>/<image> and val/<class>/<image>" in run.output
     assert "--synthetic-data" in run.output
-
-
-def descendants(pid: int) -> set[int]:
-    """The processes below `pid`, read from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def alive(pid: int) -> bool:

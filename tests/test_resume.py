@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from smoke import EXAMPLES, assert_bitwise_equal, numbers, run_example, unwrapped
+from smoke import (
+    EXAMPLES,
+    assert_bitwise_equal,
+    descendants,
+    numbers,
+    run_example,
+    unwrapped,
+)
 
 # Long enough to be stopped in the middle: several steps per epoch, two epochs.
 ARGS = {
@@ -43,28 +50,6 @@ TRAINING = {
     "generic/checkpointing": "epoch 0 step 5 |",
     "generic/template": "epoch 0 step 5 |",
 }
-
-
-def descendants(pid: int) -> list[int]:
-    """The PIDs of the processes that `pid` started, and of theirs, and so on.
-
-    A rank's DataLoader workers are its grandchildren: they come from a fork server.
-    """
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # The command name, in parentheses, may hold
-            # spaces: the fields follow the last ")".
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 def signal_if_alive(pid: int, signum: int):
