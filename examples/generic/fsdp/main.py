@@ -14,7 +14,8 @@ Over step 5:
   checkpoint resumes on another number of processes, on the same batches;
 - a checkpoint is a folder that every rank writes its own shard to
   (torch.distributed.checkpoint), under a temporary name renamed when complete.
-Left out: torch.compile, which FSDP2 wants applied to each block before sharding.
+Left out: torch.compile, which with FSDP2 is usually applied to each block before
+sharding.
 
 Try the job before the data is in place, as a run of its own name:
 `sbatch --job-name=trial job.sh --synthetic-data --max-steps 200`.
