@@ -44,6 +44,9 @@ def site(tmp_path_factory):
 @pytest.fixture(scope="session")
 def lab(pytestconfig):
     lab = Lab(version=pytestconfig.getoption("--slurm-version"))
+    # First what a crashed run left behind, folders it made included: a /network made
+    # by an interrupted 22.05 run is the lab's to remove, not the machine's own.
+    lab.down()
     network_existed = Path("/network").exists()  # Mila's dataset mount point
     try:
         lab.up()
