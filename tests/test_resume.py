@@ -38,7 +38,7 @@ ARGS = {
     # The template: with DataLoader workers, accumulation and the learning rate's
     # warm-up and decay, all of which a resumed run must pick up where they were.
     "generic/template": (
-        "--synthetic-data", "--synthetic-size", "1200", "--synthetic-classes", "10",
+        "--synthetic-data", "--synthetic-size", "480", "--synthetic-classes", "10",
         "--model", "resnet18", "--image-size", "32", "--batch-size", "4",
         "--accumulation-steps", "2", "--epochs", "2", "--warmup-steps", "10",
         "--log-every", "5", "--num-workers", "1",
