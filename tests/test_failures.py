@@ -354,7 +354,8 @@ def test_a_killed_rank_ends_the_whole_job_at_once(lab, tmp_path):
     # connections by itself; NCCL often waits until its timeout.)
     job_id = submit(lab, "generic/checkpointing", *LONG_RUN, workdir=tmp_path)
     output = tmp_path / f"slurm-{job_id}.out"
-    wait_until(lambda: EPOCH_END in read(output), 120, "training")
+    # Killed in the middle of an epoch, with DataLoader workers running.
+    wait_until(lambda: "epoch 0 step 8 |" in read(output), 120, "training")
     os.kill(wait_until(lambda: find_rank(job_id, rank=1), 30, "rank 1"), signal.SIGKILL)
     killed = time.monotonic()
     job = lab.wait(job_id, tmp_path, timeout=120)
@@ -362,6 +363,9 @@ def test_a_killed_rank_ends_the_whole_job_at_once(lab, tmp_path):
     assert took < FAIL_FAST, job.output
     assert job.state == "FAILED" and job.exit_code != "0:0", job.output
     assert re.search(r"cn1: task 1: Killed", job.output), job.output
+    # The other ranks failed in their next collective and exited by themselves: none
+    # waited for Slurm's SIGKILL, KillWait (30 s) after srun ended the step.
+    assert re.findall(r"tasks? (\S+): Killed", job.output) == ["1"], job.output
     print(f"rank 1 killed: the job ended in {took:.1f} s")
 
 

@@ -17,9 +17,9 @@ import logging
 import math
 import multiprocessing
 import os
+import signal
 import socket
 import threading
-import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -629,11 +629,20 @@ def end_with_rank(rank_pid: int, worker_id: int):
     process dies of SIGKILL (the kernel's out-of-memory killer, say), they and the
     server would wait for it forever, holding its output open, out of reach of Slurm's
     process tracking where it follows parents and children only.
+
+    The thread also takes the SIGTERM with which multiprocessing ends the workers when
+    their process exits after an error. Where the fork server blocks the stop signals
+    (the checkpointing steps), nothing else would: the exit would wait for the workers
+    until Slurm's SIGKILL, or for ever in a job of one task.
     """
 
     def watch():
         while True:
-            time.sleep(1)
+            # A SIGTERM from anyone else (Slurm signals every process of a step) is
+            # dropped; the wait lasts at most a second.
+            received = signal.sigtimedwait({signal.SIGTERM}, 1)
+            if received is not None and received.si_pid == rank_pid:
+                os._exit(0)
             try:
                 os.kill(rank_pid, 0)  # signal 0: only asks whether it exists
             except ProcessLookupError:
