@@ -122,8 +122,9 @@ def tests(session: nox.Session) -> None:
     """The whole test suite, Slurm and browser tests included (root), on both versions.
 
     Slurm 24.11, the version clusters run, gets every test. Slurm 22.05 gets the tests
-    marked every_version: each job.sh to completion and through sbatch --test-only, the
-    nodes' names and addresses, the variable table, and the version differences.
+    marked every_version: each job.sh through sbatch --test-only and, but for two that
+    are step 4's in Slurm's terms, to completion; the nodes' names and addresses, the
+    variable table, and the version differences.
     """
     install(session, "test")
     session.run("pytest", *session.posargs)

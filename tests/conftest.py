@@ -1,5 +1,5 @@
-"""Shared fixtures (the built site, smoke runs, the Slurm cluster), the Slurm version
-option, and the rule that in CI a skipped test fails."""
+"""Shared fixtures (the built site, smoke runs, the Slurm cluster, the jobs of each
+job.sh), the Slurm version option, and the rule that in CI a skipped test fails."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from site_browser import build_site
 from slurm_lab import DEFAULT_VERSION, ROOTS, VERSIONS, Lab, LabUnavailable
-from smoke import Launch, run_example
+from smoke import EXAMPLES, EXAMPLES_DIR, Launch, run_example, site_of
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -41,6 +41,9 @@ def site(tmp_path_factory):
     return build_site(tmp_path_factory.mktemp("site") / "html")
 
 
+JOB_TIMEOUT = 300  # seconds; 8 ranks importing torch on 2 cores take about a minute
+
+
 @pytest.fixture(scope="session")
 def lab(pytestconfig):
     lab = Lab(version=pytestconfig.getoption("--slurm-version"))
@@ -58,6 +61,26 @@ def lab(pytestconfig):
     yield lab
     lab.down()
     assert_torn_down(network_existed)
+
+
+@pytest.fixture(scope="session")
+def jobs(lab, tmp_path_factory):
+    """Submits each job.sh unchanged, with its site's profile and its smoke-run
+    arguments, once; tests read the finished jobs (and the checkpoints they leave)."""
+    done = {}
+
+    def job(name: str):
+        if name not in done:
+            workdir = tmp_path_factory.mktemp(name.replace("/", "-"))
+            script = EXAMPLES_DIR / name / "job.sh"
+            job_id = lab.sbatch(
+                script, *EXAMPLES[name].args, site=site_of(name), workdir=workdir,
+                OMP_NUM_THREADS="1",
+            )  # fmt: skip
+            done[name] = lab.wait(job_id, workdir, timeout=JOB_TIMEOUT)
+        return done[name]
+
+    return job
 
 
 def assert_torn_down(network_existed: bool):

@@ -376,6 +376,12 @@ def run_example(
     return run
 
 
+def site_of(name: str) -> str:
+    """The site profile a job.sh runs with: launcher variants are generic scripts."""
+    site = name.split("/")[0]
+    return "generic" if site == "launchers" else site
+
+
 def descendants(pid: int) -> list[int]:
     """The PIDs of the processes that `pid` started, and of theirs, and so on.
 

@@ -422,11 +422,16 @@ def test_python_without_srun_fails_fast(lab, tmp_path, name, args, message):
     assert message in job.output
 
 
-def test_resuming_with_another_task_count_fails_fast(lab, tmp_path):
+def test_resuming_with_another_task_count_fails_fast(lab, jobs, tmp_path):
     name = "generic/checkpointing"
-    first = submit(lab, name, *EXAMPLES[name].args, workdir=tmp_path)
-    assert lab.wait(first, tmp_path, timeout=120).ok
-    checkpoints = lab.state / "scratch" / "checkpoints" / run_name(tmp_path)
+    # The checkpoints of job.sh run as it is, 2 x 4 tasks (test_slurm.py reads the same
+    # job), kept under its job name.
+    first = jobs(name)
+    assert first.ok, first.output
+    script = (EXAMPLES_DIR / name / "job.sh").read_text()
+    job_name = re.search(r"^#SBATCH --job-name=(\S+)$", script, re.M)[1]
+    checkpoints = lab.state / "scratch" / "checkpoints" / job_name
+    assert (checkpoints / "checkpoint.pt").exists()
     # The same checkpoints, with 2 tasks instead of job.sh's 2 x 4.
     job_id = submit(
         lab, name, *EXAMPLES[name].args, "--checkpoint-dir", str(checkpoints),
