@@ -82,7 +82,8 @@ def stop_one_rank(name: str):
 
 # Step 4 and the Mila step are held to the same under Slurm (test_failures.py), through
 # three interruptions and a resubmission; run here as well, each took more than a minute
-# of CI. The template is stopped only here.
+# of CI. The template is stopped here, and with another model in test_template.py;
+# not under Slurm.
 @pytest.mark.parametrize("name", ["generic/template"])
 def test_a_stopped_run_resumes_exactly(tmp_path, name):
     launch = EXAMPLES[name]
