@@ -1,4 +1,5 @@
-"""A real Slurm cluster on this machine: a controller and two nodes, of either version.
+"""A real Slurm cluster on this machine: a controller and two nodes, of one of three
+Slurm versions.
 
 Each node is a slurmd in its own network, UTS and mount namespace, so it has its own
 hostname and IP address, as on a real cluster: `hostname -I`, `scontrol show hostnames`,
@@ -7,12 +8,14 @@ two nodes talk over TCP. Fake typed GPUs (character devices standing in for
 /dev/nvidia*) and node features make the scripts' `--gpus-per-node`, `--gpus` and
 `--constraint` requests valid as written.
 
-Two Slurm versions, chosen by `Lab(version=...)`:
-- 24.11 (the default), what clusters run today: Debian 13's packages, in a Debian 13
-  root made once with debootstrap and kept in /var/cache. Its daemons and commands run
-  inside that root (chroot), with the host folders that jobs use mounted at the same
-  paths: /proc, /sys, /dev, /tmp, /etc/hosts, the project and the Python. `Lab.env()`
-  puts wrappers first on PATH that run the commands (sbatch, srun, ...) there.
+Three Slurm versions, chosen by `Lab(version=...)`:
+- 24.11 (the default), what most clusters run today: Debian 13's (trixie) packages, in
+  a Debian 13 root made once with debootstrap and kept in /var/cache. Its daemons and
+  commands run inside that root (chroot), with the host folders that jobs use mounted at
+  the same paths: /proc, /sys, /dev, /tmp, /etc/hosts, the project and the Python.
+  `Lab.env()` puts wrappers first on PATH that run the commands (sbatch, srun, ...)
+  there.
+- 26.05, the newest: Debian forky's packages, in a forky root made the same way.
 - 22.05: Debian 12's packages, installed on this machine itself.
 
 A site profile (tests/sites/<name>/) supplies what a cluster gives its jobs: the
@@ -22,8 +25,8 @@ submitted unchanged.
 Used by the test suite, and by hand as root, with a Python that has the examples'
 dependencies (the profiles hand it to the jobs), e.g. .nox/tests/bin/python:
 
-    python tests/slurm_lab.py up [22.05|24.11]  # install, start, print what to export
-    python tests/slurm_lab.py down              # stop, and remove what `up` made
+    python tests/slurm_lab.py up [22.05|24.11|26.05]  # install, start, print exports
+    python tests/slurm_lab.py down                    # stop, remove what `up` made
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ COMMANDS = [
 
 # Each version, and the Debian release whose packages
 # provide it: None is this machine's own.
-VERSIONS = {"22.05": None, "24.11": "trixie"}
+VERSIONS = {"22.05": None, "24.11": "trixie", "26.05": "forky"}
 DEFAULT_VERSION = "24.11"
 ROOTS = Path("/var/cache/ddp-slurm-lab")
 # What a root holds beyond Debian's minimal base: Slurm and munge, the
@@ -138,7 +141,7 @@ class Lab:
         if self.version not in VERSIONS:
             raise LabUnavailable(
                 f"no Slurm {self.version} here; the test cluster runs "
-                f"{' or '.join(VERSIONS)}"
+                f"{', '.join(list(VERSIONS)[:-1])} or {list(VERSIONS)[-1]}"
             )
 
     @property
@@ -692,9 +695,13 @@ def make_root(suite: str) -> Path:
     partial = ROOTS / f"debian-{suite}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     ROOTS.mkdir(parents=True, exist_ok=True)
+    # A debootstrap older than the suite has no script of its name; Debian's testing
+    # and unstable suites are made as sid is.
+    scripts = Path("/usr/share/debootstrap/scripts")
+    script = scripts / suite if (scripts / suite).exists() else scripts / "sid"
     result = subprocess.run(
         ["debootstrap", "--variant=minbase", f"--include={','.join(ROOT_PACKAGES)}",
-         suite, str(partial), "http://deb.debian.org/debian"],
+         suite, str(partial), "http://deb.debian.org/debian", str(script)],
         capture_output=True, text=True,
     )  # fmt: skip
     if result.returncode != 0:

@@ -293,7 +293,7 @@ def test_cluster_says_why_it_cannot_start(monkeypatch, euid, which, expected):
 def test_cluster_names_the_versions_it_has():
     with pytest.raises(
         LabUnavailable,
-        match="no Slurm 21.08 here; the test cluster runs 22.05 or 24.11",
+        match="no Slurm 21.08 here; the test cluster runs 22.05, 24.11 or 26.05",
     ):
         Lab(version="21.08")
 
@@ -311,7 +311,7 @@ def test_a_root_that_cannot_be_made_says_why_and_leaves_nothing(monkeypatch, tmp
     monkeypatch.setattr(slurm_lab, "ROOTS", tmp_path)
 
     def debootstrap_fails(cmd, **kwargs):
-        target = Path(cmd[-2])
+        target = next(Path(arg) for arg in cmd if arg.endswith(".partial"))
         (target / "etc").mkdir(parents=True)  # half made, where debootstrap was told to
         return subprocess.CompletedProcess(cmd, 1, "", "E: Failed getting release file")
 
@@ -320,3 +320,25 @@ def test_a_root_that_cannot_be_made_says_why_and_leaves_nothing(monkeypatch, tmp
         make_root("trixie")
     # No root that a later run would take for a whole one, and no half-made one either.
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_suite_newer_than_debootstrap_is_made_as_sid_is(monkeypatch, tmp_path):
+    """Debian 12's debootstrap has no script for forky, which is made with sid's."""
+    monkeypatch.setattr(slurm_lab, "ROOTS", tmp_path)
+    made = []
+
+    def debootstrap(cmd, **kwargs):
+        made.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "stop here")
+
+    monkeypatch.setattr(subprocess, "run", debootstrap)
+    for suite in ["trixie", "forky"]:
+        with pytest.raises(LabUnavailable):
+            make_root(suite)
+    scripts = Path("/usr/share/debootstrap/scripts")
+    assert made[0][-4:] == [
+        "trixie", str(tmp_path / "debian-trixie.partial"),
+        "http://deb.debian.org/debian", str(scripts / "trixie"),
+    ]  # fmt: skip
+    if not (scripts / "forky").exists():
+        assert made[1][-1] == str(scripts / "sid")

@@ -2,10 +2,14 @@
 cluster, pinned so the pages can say it.
 
 Each test runs on whichever version the suite was started with (`--slurm-version`) and
-checks that version's behaviour; `nox -s tests` runs them on both 22.05 and 24.11. The
-expectations follow Slurm's changelogs: 23.11 made srun inherit --cpus-per-task again
-(22.05 to 23.02 did not, unless told with SRUN_CPUS_PER_TASK), added
-SLURM_TRES_PER_TASK, and 23.11.4 added `srun --gres-flags=allow-task-sharing`.
+checks that version's behaviour; `nox -s tests` runs them on 22.05, 24.11 and 26.05.
+The expectations follow Slurm's changelogs (CHANGELOG/slurm-<version>.md in SchedMD's
+repository): 23.11 made srun inherit --cpus-per-task again (22.05 to 23.02 did not,
+unless told with SRUN_CPUS_PER_TASK), added SLURM_TRES_PER_TASK, and 23.11.4 added
+`srun --gres-flags=allow-task-sharing`; 25.11 let --gpu-bind bind a step of one task,
+added %r to file name patterns and SubmitLine to `scontrol show job`; 26.05 made
+`srun --gres=gpu` and `--gpus-per-node` mutually exclusive. The testing page's table
+lists these and the changes that the test cluster cannot show.
 """
 
 import re
@@ -160,3 +164,76 @@ def test_sbatch_refuses_allow_task_sharing(lab, tmp_path):
     )  # fmt: skip
     assert result.returncode != 0, result.stderr
     assert "gres-flags" in result.stderr, result.stderr
+
+
+# A job that asked for 2 GPUs with --gpus-per-node, and steps that ask for GPUs the
+# other ways, or bind them.
+GPU_STEP_JOB = """
+gpus='echo "$0 gpus=$CUDA_VISIBLE_DEVICES"'
+srun --ntasks=1 --gpus=1 bash -c "$gpus" step-gpus
+srun --ntasks=1 --gres=gpu:1 bash -c "$gpus" step-gres || echo "step-gres refused"
+srun --ntasks=1 --gpu-bind=map_gpu:1 bash -c "$gpus" step-bound
+"""
+
+
+def test_gpus_that_a_step_asks_for_in_a_gpus_per_node_job(lab, tmp_path):
+    """From 26.05, srun refuses --gres=gpu in a job that asked with --gpus-per-node
+    (SLURM_GPUS_PER_NODE is in the job's environment); --gpus works on every version,
+    though 22.05 gives the step all the job's GPUs on the node. From 25.11, --gpu-bind
+    also binds a step of one task per node, as torchrun's is: before, Slurm dropped the
+    binding of such a step."""
+    options = ["--nodes=1", "--ntasks=1", "--gpus-per-node=2"]
+    job = run_job(lab, tmp_path, options, GPU_STEP_JOB)
+    assert job.ok, job.output
+    got = steps(job.output)
+    assert got["step-gpus"] == ["gpus=0" if lab.at_least("23.11") else "gpus=0,1"], (
+        job.output
+    )
+    if lab.at_least("26.05"):
+        assert got["step-gres"] == ["refused"], job.output
+        assert "--gpus-per-node and --gres=gpu are mutually exclusive" in job.output
+    else:
+        assert got["step-gres"] == ["gpus=0"], job.output
+    assert got["step-bound"] == ["gpus=1" if lab.at_least("25.11") else "gpus=0,1"], (
+        job.output
+    )
+
+
+def test_output_file_names_the_start_with_r_from_25_11(lab, tmp_path):
+    """`#SBATCH --output=%x-%j-%r.out` gives each start of a requeued job its own log
+    from 25.11 (%r, the restart count); before, the name keeps "%r" as it is."""
+    job = run_job(lab, tmp_path, [f"--output={tmp_path}/log-%r.out"], "echo started\n")
+    assert job.ok
+    logs = sorted(p.name for p in tmp_path.glob("log-*.out"))
+    assert logs == (["log-0.out"] if lab.at_least("25.11") else ["log-%r.out"])
+
+
+def test_what_scontrol_show_job_prints(lab, tmp_path):
+    """The record that every job.sh prints at its start: 25.11 added the submit line
+    and leaves StdErr empty when stderr goes to the output file; 26.05 shows
+    OverSubscribe=NO (before: OK) for a job that shares nodes by default."""
+    job = run_job(lab, tmp_path, [], 'scontrol show job "$SLURM_JOB_ID"\n')
+    assert job.ok, job.output
+    fields = dict(re.findall(r"(\w+)=(\S*)", job.output))
+    assert fields["StdOut"] == str(tmp_path / f"slurm-{job.job_id}.out"), job.output
+    if lab.at_least("25.11"):
+        assert fields["SubmitLine"].endswith("sbatch"), job.output
+        assert fields["StdErr"] == "", job.output
+    else:
+        assert "SubmitLine" not in fields, job.output
+        assert fields["StdErr"] == fields["StdOut"], job.output
+    assert fields["OverSubscribe"] == ("NO" if lab.at_least("26.05") else "OK")
+
+
+def test_fewer_tasks_than_nodes(lab, tmp_path):
+    """26.05's changelog says a job with fewer tasks than its minimum of nodes is
+    rejected; sbatch still takes one, with a warning, and runs it on fewer nodes, as
+    before. (The torchrun scripts check tasks against nodes themselves.)"""
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\ntrue\n")
+    result = subprocess.run(
+        ["sbatch", "--test-only", "--nodes=2", "--ntasks=1", str(script)],
+        env=lab.env(), capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "can't run 1 processes on 2 nodes, setting nnodes to 1" in result.stderr
