@@ -173,6 +173,10 @@ gpus='echo "$0 gpus=$CUDA_VISIBLE_DEVICES"'
 srun --ntasks=1 --gpus=1 bash -c "$gpus" step-gpus
 srun --ntasks=1 --gres=gpu:1 bash -c "$gpus" step-gres || echo "step-gres refused"
 srun --ntasks=1 --gpu-bind=map_gpu:1 bash -c "$gpus" step-bound
+# A binding that the site sets for every step, and a step that turns it off.
+export SLURM_GPU_BIND=map_gpu:1
+srun --ntasks=1 bash -c "$gpus" step-site-bound
+srun --ntasks=1 --gpu-bind=none bash -c "$gpus" step-unbound
 """
 
 
@@ -180,8 +184,9 @@ def test_gpus_that_a_step_asks_for_in_a_gpus_per_node_job(lab, tmp_path):
     """From 26.05, srun refuses --gres=gpu in a job that asked with --gpus-per-node
     (SLURM_GPUS_PER_NODE is in the job's environment); --gpus works on every version,
     though 22.05 gives the step all the job's GPUs on the node. From 25.11, --gpu-bind
-    also binds a step of one task per node, as torchrun's is: before, Slurm dropped the
-    binding of such a step."""
+    also binds a step of one task per node, as torchrun's is, whether the step or the
+    site (SLURM_GPU_BIND) asks: before, Slurm dropped the binding of such a step.
+    `--gpu-bind=none` turns a site's binding off on every version."""
     options = ["--nodes=1", "--ntasks=1", "--gpus-per-node=2"]
     job = run_job(lab, tmp_path, options, GPU_STEP_JOB)
     assert job.ok, job.output
@@ -194,9 +199,10 @@ def test_gpus_that_a_step_asks_for_in_a_gpus_per_node_job(lab, tmp_path):
         assert "--gpus-per-node and --gres=gpu are mutually exclusive" in job.output
     else:
         assert got["step-gres"] == ["gpus=0"], job.output
-    assert got["step-bound"] == ["gpus=1" if lab.at_least("25.11") else "gpus=0,1"], (
-        job.output
-    )
+    bound = ["gpus=1" if lab.at_least("25.11") else "gpus=0,1"]
+    assert got["step-bound"] == bound, job.output
+    assert got["step-site-bound"] == bound, job.output
+    assert got["step-unbound"] == ["gpus=0,1"], job.output
 
 
 def test_output_file_names_the_start_with_r_from_25_11(lab, tmp_path):
