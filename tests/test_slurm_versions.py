@@ -14,6 +14,7 @@ lists these and the changes that the test cluster cannot show.
 
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -205,13 +206,49 @@ def test_gpus_that_a_step_asks_for_in_a_gpus_per_node_job(lab, tmp_path):
     assert got["step-unbound"] == ["gpus=0,1"], job.output
 
 
+# A job that requeues itself once, at its first start.
+REQUEUED_JOB = """
+echo "start ${SLURM_RESTART_COUNT:-0}"
+if [[ -z ${SLURM_RESTART_COUNT:-} ]]; then
+    scontrol requeue "$SLURM_JOB_ID"
+    sleep 60
+fi
+"""
+
+
 def test_output_file_names_the_start_with_r_from_25_11(lab, tmp_path):
     """`#SBATCH --output=%x-%j-%r.out` gives each start of a requeued job its own log
-    from 25.11 (%r, the restart count); before, the name keeps "%r" as it is."""
-    job = run_job(lab, tmp_path, [f"--output={tmp_path}/log-%r.out"], "echo started\n")
-    assert job.ok
-    logs = sorted(p.name for p in tmp_path.glob("log-*.out"))
-    assert logs == (["log-0.out"] if lab.at_least("25.11") else ["log-%r.out"])
+    from 25.11 (%r, the restart count); before, the name keeps "%r" as it is, and the
+    second start writes over the first's log."""
+    options = ["--requeue", f"--output={tmp_path}/log-%r.out"]
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n" + REQUEUED_JOB)
+    job_id = lab.sbatch(script, site=None, workdir=tmp_path, options=options)
+
+    # Slurm holds a requeued job for about two minutes: let it start again at once.
+    def requeued() -> bool:
+        info = lab.job_info(job_id)
+        return info.get("JobState") == "PENDING" and info.get("Restarts") == "1"
+
+    deadline = time.monotonic() + 60
+    while not requeued():
+        assert time.monotonic() < deadline, f"job {job_id} was not requeued"
+        time.sleep(0.2)
+    # slurmd refuses to start a job again with a credential made in the second in
+    # which it killed the job, or the next ("already killed, do not launch batch job"):
+    # seen under 24.11, where the first start ends within milliseconds of its requeue.
+    time.sleep(2)
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+        env=lab.env(), check=True,
+    )  # fmt: skip
+    assert lab.wait(job_id, tmp_path, timeout=60).state == "COMPLETED"
+    # Each start's first line (the first start's log may also note the requeue).
+    logs = {p.name: p.read_text().split("\n")[0] for p in tmp_path.glob("log-*.out")}
+    if lab.at_least("25.11"):
+        assert logs == {"log-0.out": "start 0", "log-1.out": "start 1"}
+    else:
+        assert logs == {"log-%r.out": "start 1"}
 
 
 def test_what_scontrol_show_job_prints(lab, tmp_path):
