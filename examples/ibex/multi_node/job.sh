@@ -60,7 +60,11 @@ echo "Rendezvous at $head_node:$port"
 # DataLoader workers. Slurm 23.11 and later pass them on to srun unasked; 22.05
 # to 23.02 do not.
 # --kill-on-bad-exit: if one node's torchrun fails, end the others at once.
-srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" torchrun \
+# --gpu-bind=none: the task gets every GPU of its node, for all of torchrun's
+# processes, even where the job or the site binds GPUs to tasks (which Slurm 25.11
+# and later apply to a step of one task per node too).
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --gpu-bind=none \
+    torchrun \
     --nnodes="$SLURM_JOB_NUM_NODES" \
     --nproc-per-node="$SLURM_GPUS_ON_NODE" \
     --rdzv-backend=c10d \

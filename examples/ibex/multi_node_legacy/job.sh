@@ -42,9 +42,11 @@ echo "Rendezvous at $master_ip:$master_port"
 
 # One srun per node, in the background, each starting the
 # deprecated launcher for its node.
+# --gpu-bind=none: the task gets every GPU of its node, even where the job or the site
+# binds GPUs to tasks (which Slurm 25.11 and later apply to a step of one task too).
 for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do
     srun --nodes=1 --ntasks=1 -c "$SLURM_CPUS_PER_TASK" --gpus="$SLURM_GPUS_PER_NODE" \
-        -w "${nodes[i]}" \
+        --gpu-bind=none -w "${nodes[i]}" \
         python -m torch.distributed.launch --use_env \
         --nproc_per_node="$SLURM_GPUS_ON_NODE" --nnodes="$SLURM_JOB_NUM_NODES" \
         --node_rank="$i" --master_addr="$master_ip" --master_port="$master_port" \
