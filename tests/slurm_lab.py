@@ -74,6 +74,12 @@ COMMANDS = [
 VERSIONS = {"22.05": None, "24.11": "trixie", "26.05": "forky"}
 DEFAULT_VERSION = "24.11"
 ROOTS = Path("/var/cache/ddp-slurm-lab")
+DEBOOTSTRAP_SCRIPTS = Path("/usr/share/debootstrap/scripts")
+# The nodes' leaf switches in the order topology.conf lists them: cn2's first. From
+# Slurm 26.05, srun numbers the tasks of a step with more tasks than nodes in this
+# order, so rank 0 runs on cn2, while the job's first node by name (MASTER_ADDR in the
+# scripts) is cn1 (tests/test_slurm_versions.py).
+SWITCH_ORDER = ["cn2", "cn1"]
 # What a root holds beyond Debian's minimal base: Slurm and munge, the
 # commands that the job scripts and tests run on a node, and the
 # shared libraries that the host's Python and its extension modules
@@ -279,6 +285,7 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
 MpiDefault=none
+TopologyPlugin=topology/tree
 GresTypes=gpu
 # Finished jobs stay in `scontrol show job` for an hour: a
 # test may wait for one, then another.
@@ -290,6 +297,15 @@ TaskProlog={SITES / "task_prolog.sh"}
 {node_lines}
 PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
+        )
+        # The network, as most clusters with a fast one describe it: a leaf switch per
+        # node here, listed in SWITCH_ORDER, as a generated topology.conf may list them.
+        (s / "topology.conf").write_text(
+            "".join(
+                f"SwitchName=leaf{i} Nodes={node}\n"
+                for i, node in enumerate(SWITCH_ORDER, start=1)
+            )
+            + f"SwitchName=spine Switches=leaf[1-{len(SWITCH_ORDER)}]\n"
         )
         (s / "gres.conf").write_text(
             "AutoDetect=off\n"
@@ -697,7 +713,7 @@ def make_root(suite: str) -> Path:
     ROOTS.mkdir(parents=True, exist_ok=True)
     # A debootstrap older than the suite has no script of its name; Debian's testing
     # and unstable suites are made as sid is.
-    scripts = Path("/usr/share/debootstrap/scripts")
+    scripts = DEBOOTSTRAP_SCRIPTS
     script = scripts / suite if (scripts / suite).exists() else scripts / "sid"
     result = subprocess.run(
         ["debootstrap", "--variant=minbase", f"--include={','.join(ROOT_PACKAGES)}",

@@ -206,6 +206,70 @@ def test_gpus_that_a_step_asks_for_in_a_gpus_per_node_job(lab, tmp_path):
     assert got["step-unbound"] == ["gpus=0,1"], job.output
 
 
+# Where each task of a two-node step runs, by rank, with srun's default order and with
+# --distribution=block, beside the job's first node by name (MASTER_ADDR in job.sh).
+TASK_ORDER_JOB = r"""
+echo "step-first $(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+echo "step-batch $SLURMD_NODENAME"
+task='echo "$0 $SLURM_PROCID $SLURMD_NODENAME node-id=$SLURM_NODEID"'
+srun bash -c "$task" step-default | sort -k2n
+srun --distribution=block bash -c "$task" step-block | sort -k2n
+srun --ntasks=2 --ntasks-per-node=1 bash -c "$task" step-one-per-node | sort -k2n
+"""
+
+
+def test_the_node_that_runs_task_0(lab, tmp_path):
+    """The test cluster's topology.conf lists cn2's leaf switch first. From 26.05, srun
+    lays out the tasks of a step with more tasks than nodes in that order, so task 0
+    runs on cn2, while the job's first node by name, and the batch script's node, are
+    cn1; --distribution=block, which the manual says turns the order off, changes
+    nothing. A step of one task per node still starts on cn1. Before 26.05, task 0 runs
+    on cn1. The first task on the first node by name has SLURM_NODEID=0 on every
+    version: every example's setup() serves the rendezvous from it."""
+    job = run_job(lab, tmp_path, ["--nodes=2", "--ntasks-per-node=2"], TASK_ORDER_JOB)
+    assert job.ok, job.output
+    got = steps(job.output)
+    assert got["step-first"] == ["cn1"] and got["step-batch"] == ["cn1"], job.output
+    by_rank = (
+        ["cn2"] * 2 + ["cn1"] * 2
+        if lab.at_least("26.05")
+        else ["cn1"] * 2 + ["cn2"] * 2
+    )
+    node_id = {"cn1": 0, "cn2": 1}
+    expected = [
+        f"{rank} {node} node-id={node_id[node]}" for rank, node in enumerate(by_rank)
+    ]
+    assert got["step-default"] == expected, job.output
+    assert got["step-block"] == expected, job.output
+    assert got["step-one-per-node"] == ["0 cn1 node-id=0", "1 cn2 node-id=1"]
+
+
+# Task 0 fails after a second. Task 1 says whether it got a SIGTERM before it ended,
+# and how long after the step's start.
+FAILED_TASK_JOB = r"""
+start=$SECONDS
+srun --kill-on-bad-exit=1 --ntasks=2 bash -c '
+if ((SLURM_PROCID == 0)); then sleep 1; exit 3; fi
+trap "echo step-other SIGTERM; exit 0" TERM
+sleep 60 & wait
+'
+echo "step-srun exit=$? after=$((SECONDS - start))"
+"""
+
+
+def test_what_the_other_tasks_get_when_one_fails(lab, tmp_path):
+    """With srun --kill-on-bad-exit=1, when a task fails, the step's other tasks get
+    SIGTERM first, and SIGKILL only KillWait later, on every version: a program that
+    saves a checkpoint on SIGTERM takes it for a stop. (26.05's changelog line on
+    SIGCONT, SIGTERM and SIGKILL after a failed task is about PMIx and PMI aborts.)"""
+    job = run_job(lab, tmp_path, ["--nodes=1", "--ntasks=2"], FAILED_TASK_JOB)
+    got = steps(job.output)
+    assert got["step-other"] == ["SIGTERM"], job.output
+    exit_code, after = (int(part.split("=")[1]) for part in got["step-srun"][0].split())
+    assert exit_code == 3, job.output
+    assert after < 10, job.output  # at once, not after the task's 60 s
+
+
 # A job that requeues itself once, at its first start.
 REQUEUED_JOB = """
 echo "start ${SLURM_RESTART_COUNT:-0}"

@@ -472,8 +472,10 @@ def find_place() -> tuple[Place, str]:
 
 
 def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
-    """The store where srun's tasks meet: rank 0 serves it at MASTER_ADDR:MASTER_PORT,
-    which job.sh exports, and the others connect."""
+    """The store where srun's tasks meet, at MASTER_ADDR:MASTER_PORT, which job.sh
+    exports: the job's first node. The first task on that node serves it, and the
+    others connect. That task is rank 0 unless srun numbers the tasks in another order
+    than the nodes' names, as Slurm 26.05 does on a cluster with a topology.conf."""
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in os.environ:
             raise SystemExit(
@@ -482,24 +484,26 @@ def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
             )
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     host = socket.gethostname()
+    serves = os.environ["SLURM_NODEID"] == "0" and place.local_rank == 0
     try:
         return dist.TCPStore(
-            address, port, place.world_size, is_master=place.rank == 0,
+            address, port, place.world_size, is_master=serves,
             timeout=timedelta(seconds=timeout),
         )  # fmt: skip
     except dist.DistError as error:
         if "EADDRINUSE" in str(error):
             raise SystemExit(
-                f"error: rank 0 cannot listen on port {port} of {host}: another "
-                "process holds it. job.sh derives MASTER_PORT from the job ID; a port "
-                "fixed by hand collides with other jobs on the node. Pick another, "
-                "from 10000-19999."
+                f"error: rank {place.rank} cannot listen on port {port} of {host}: "
+                "another process holds it. job.sh derives MASTER_PORT from the job "
+                "ID; a port fixed by hand collides with other jobs on the node. Pick "
+                "another, from 10000-19999."
             ) from None
         raise SystemExit(
             f"error: rank {place.rank} on {host} waited {timeout:.0f} s for the "
             f"rendezvous at {address}:{port}, and not all {place.world_size} processes "
-            "joined. Rank 0 must run on MASTER_ADDR (the job's first node): check that "
-            "the node is up, that its task started, and that MASTER_ADDR names it.\n"
+            "joined. The first task on the job's first node serves the rendezvous: "
+            "check that MASTER_ADDR names that node, that the node is up and that its "
+            "tasks started.\n"
             f"({type(error).__name__}: {str(error).splitlines()[0]})"
         ) from None
 
