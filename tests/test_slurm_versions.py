@@ -8,8 +8,10 @@ repository): 23.11 made srun inherit --cpus-per-task again (22.05 to 23.02 did n
 unless told with SRUN_CPUS_PER_TASK), added SLURM_TRES_PER_TASK, and 23.11.4 added
 `srun --gres-flags=allow-task-sharing`; 25.11 let --gpu-bind bind a step of one task,
 added %r to file name patterns and SubmitLine to `scontrol show job`; 26.05 made
-`srun --gres=gpu` and `--gpus-per-node` mutually exclusive. The testing page's table
-lists these and the changes that the test cluster cannot show.
+`srun --gres=gpu` and `--gpus-per-node` mutually exclusive and numbers a step's tasks
+in the order of topology.conf (the test cluster has one, listing cn2 first). What does
+not change is pinned too: the SIGTERM that --kill-on-bad-exit sends first. The testing
+page's table lists these and the changes that the test cluster cannot show.
 """
 
 import re

@@ -142,9 +142,10 @@ def test_setup_sets_the_variables_that_libraries_read(example, monkeypatch):
     import torch.distributed as dist
     from smoke import free_port
 
-    srun = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
-            "SLURM_STEP_NUM_TASKS": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()), "TRAIN_ON_CPU": "1"}  # fmt: skip
+    srun = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+            "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "TRAIN_ON_CPU": "1"}  # fmt: skip
     # setup() writes to os.environ: give it a copy, or RANK, LOCAL_RANK and WORLD_SIZE
     # would stay set in this process for the tests after this one, and reach their
     # jobs (sbatch passes its environment on), whose every task would then take itself
