@@ -85,14 +85,20 @@ def test_sbatch_test_only_accepts_the_script(lab, name):
 # main.py reads Slurm through the same plumbing as step 4's. (About 80 s of CI.)
 LIKE_STEP_4 = ["generic/template", "generic/fsdp"]
 every_version = pytest.mark.every_version
+# Mila runs Slurm 23.11.4 or later: its scripts run to completion from 24.11 on, and go
+# through sbatch --test-only on 22.05 too. (About 100 s of CI.)
+SINCE = {"mila": pytest.mark.since_slurm("23.11")}
+
+
+def completion_marks(name: str) -> tuple:
+    if name in LIKE_STEP_4:
+        return ()
+    site = name.split("/")[0]
+    return (every_version, SINCE[site]) if site in SINCE else (every_version,)
 
 
 @pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=() if name in LIKE_STEP_4 else every_version)
-        for name in NAMES
-    ],
+    "name", [pytest.param(name, marks=completion_marks(name)) for name in NAMES]
 )
 def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
     assert name in EXAMPLES, f"{name}: add it to EXAMPLES in tests/smoke.py"
