@@ -261,9 +261,10 @@ echo "step-srun exit=$? after=$((SECONDS - start))"
 
 def test_what_the_other_tasks_get_when_one_fails(lab, tmp_path):
     """With srun --kill-on-bad-exit=1, when a task fails, the step's other tasks get
-    SIGTERM first, and SIGKILL only KillWait later, on every version: a program that
-    saves a checkpoint on SIGTERM takes it for a stop. (26.05's changelog line on
-    SIGCONT, SIGTERM and SIGKILL after a failed task is about PMIx and PMI aborts.)"""
+    SIGTERM first, not SIGKILL, on every version (by Slurm's source, SIGKILL follows
+    KillWait later): a program that saves a checkpoint on SIGTERM takes it for a stop.
+    (26.05's changelog line on SIGCONT, SIGTERM and SIGKILL after a failed task is about
+    PMIx and PMI aborts.)"""
     job = run_job(lab, tmp_path, ["--nodes=1", "--ntasks=2"], FAILED_TASK_JOB)
     got = steps(job.output)
     assert got["step-other"] == ["SIGTERM"], job.output
