@@ -23,12 +23,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     """Deselects the tests marked since_slurm(V) when the test cluster runs a Slurm
     older than V: deselected, not skipped, as CI counts a skip as a failure."""
-    running = tuple(map(int, config.getoption("--slurm-version").split(".")))
+    lab = Lab(version=config.getoption("--slurm-version"))  # starts nothing
     keep, drop = [], []
     for item in items:
         mark = item.get_closest_marker("since_slurm")
-        older = mark and running < tuple(map(int, mark.args[0].split(".")))
-        (drop if older else keep).append(item)
+        (drop if mark and not lab.at_least(mark.args[0]) else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
