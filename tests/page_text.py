@@ -52,9 +52,8 @@ def prose_lines(text: str) -> list[str]:
             in_rst_block, indent = True, len(line) - len(line.lstrip())
             if not stripped.endswith("::") or stripped.startswith(".."):
                 continue
-        if (
-            stripped.startswith(("#", "(", "|", ":"))
-            or re.fullmatch(r"[=\-~^\"*]{3,}", stripped)
+        if stripped.startswith(("#", "(", "|", ":")) or re.fullmatch(
+            r"[=\-~^\"*]{3,}", stripped
         ):
             continue
         lines.append(line)

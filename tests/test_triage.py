@@ -1,0 +1,111 @@
+"""The troubleshooting page's triage of a hung job, on the test cluster: its commands
+are taken from the page and run against a job that hangs on purpose (tests/hang/)."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm_lab import NODES, Lab
+from smoke import EXAMPLES_DIR
+
+pytestmark = pytest.mark.slurm
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+HANG = Path(__file__).resolve().parent / "hang" / "job.sh"
+JOB_ID = "12345"  # the job ID in the page's commands
+STACK = re.compile(r"^=== (\S+) pid (\d+) rank (\d+): (.*)$", re.M)
+
+
+def page_command(start: str) -> str:
+    """The troubleshooting page's one-line ```bash block that starts with `start`."""
+    text = (DOCS / "troubleshooting.md").read_text()
+    commands = re.findall(r"^ *```bash\n *(.+)\n *```$", text, re.M)
+    [found] = [c for c in commands if c.startswith(start)]
+    return found
+
+
+def user_env(lab: Lab, **extra: str) -> dict[str, str]:
+    """A login shell's environment with the job's Python environment activated."""
+    python_bin = Path(sys.executable).parent
+    return lab.env(PATH=f"{python_bin}:{lab.env()['PATH']}", **extra)
+
+
+def wait_for(lab: Lab, job_id: str, out: Path, text: str, count: int) -> str:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        output = out.read_text() if out.exists() else ""
+        if output.count(text) >= count:
+            return output
+        state = lab.job_info(job_id).get("JobState")
+        assert state in {"PENDING", "RUNNING", "CONFIGURING"}, f"{state}:\n{output}"
+        time.sleep(0.5)
+    raise AssertionError(f"{count} x {text!r} not seen in 90 s:\n{output}")
+
+
+def test_stacks_of_every_rank_show_which_one_is_stuck(lab, tmp_path):
+    job_id = lab.sbatch(
+        HANG, "--stuck", site="generic", workdir=tmp_path, OMP_NUM_THREADS="1"
+    )
+    try:
+        output = wait_for(lab, job_id, tmp_path / f"slurm-{job_id}.out", "ready", 4)
+        placed = dict(re.findall(r"^rank (\d+) on (\S+): ready", output, re.M))
+        line = page_command("bash stacks.sh").replace(JOB_ID, job_id)
+        result = subprocess.run(
+            ["bash", "-c", line], cwd=EXAMPLES_DIR / "triage", env=user_env(lab),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        stacks = {}
+        for block in re.split(r"(?m)^(?====)", result.stdout):
+            header = STACK.match(block)
+            if header and "main.py" in header.group(4):
+                host, pid, rank, _ = header.groups()
+                # Each process's stack whole, under its own header.
+                assert f"Process {pid}: " in block, result.stdout
+                # Every process of every rank, on the node that Slurm placed it on.
+                assert placed[rank] == host, (rank, host, placed)
+                stacks.setdefault(int(rank), []).append(block)
+        assert sorted(stacks) == [0, 1, 2, 3], result.stdout + result.stderr
+        # The odd one out: rank 1 is stuck elsewhere; the others wait in the collective.
+        assert all("load_batch" in b for b in stacks[1]), stacks[1]
+        for rank in (0, 2, 3):
+            assert any("all_reduce" in b for b in stacks[rank]), stacks[rank]
+            assert not any("load_batch" in b for b in stacks[rank])
+        # The hung job kept running: reading stacks does not stop the processes.
+        assert lab.job_info(job_id)["JobState"] == "RUNNING"
+    finally:
+        subprocess.run(["scancel", job_id], env=lab.env(), capture_output=True)
+
+
+def test_stacks_of_a_job_that_is_not_running_say_so(lab, tmp_path):
+    line = page_command("bash stacks.sh").replace(JOB_ID, "999999")
+    result = subprocess.run(
+        ["bash", "-c", line], cwd=EXAMPLES_DIR / "triage", env=user_env(lab),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "job 999999 is not running" in result.stderr
+
+
+def test_detail_debug_names_ranks_that_call_different_collectives(lab, tmp_path):
+    # The page's line, as job.sh would run it before srun.
+    name, value = page_command("export TORCH_DISTRIBUTED_DEBUG=")[7:].split("=")
+    start = time.monotonic()
+    job_id = lab.sbatch(
+        HANG, "--mismatch", site="generic", workdir=tmp_path, OMP_NUM_THREADS="1",
+        **{name: value},
+    )  # fmt: skip
+    job = lab.wait(job_id, tmp_path, timeout=120)
+    assert job.state == "FAILED", job.output
+    assert time.monotonic() - start < 60, job.output
+    # Which rank ran which collective, in the message.
+    assert re.search(
+        r"Detected mismatch between collectives on ranks\. Rank \d is running "
+        r"collective: CollectiveFingerPrint\(SequenceNumber=1, OpType=(ALLREDUCE|"
+        r"BROADCAST)",
+        job.output,
+    ), job.output
+    assert set(NODES) >= set(re.findall(r"on (cn\d): ready", job.output))
