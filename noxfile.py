@@ -28,10 +28,11 @@ nox.options.sessions = ["examples", "docs"]
 
 ROOT = Path(__file__).parent
 PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
-JOB_SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("examples/**/job.sh"))
+# Every shell script a reader copies, and the test cluster's.
+JOB_SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("examples/**/*.sh"))
 SITE_SCRIPTS = sorted(
     str(p.relative_to(ROOT))
-    for p in ROOT.glob("tests/sites/**/*")
+    for p in [*ROOT.glob("tests/sites/**/*"), *ROOT.glob("tests/hang/*")]
     if p.suffix == ".sh" or p.name == "activate"
 )
 
@@ -110,7 +111,7 @@ def screenshots(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff on the Python files; shellcheck on job.sh files and the sites' scripts."""
+    """ruff on the Python files; shellcheck on the shell scripts."""
     install(session, "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
