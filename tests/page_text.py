@@ -30,10 +30,13 @@ TEST_WORD = re.compile(r"\btest(?:s|ed|ing)?\b", re.IGNORECASE)
 SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[A-Z(\"'`*{])")
 
 
-def prose_lines(text: str) -> list[str]:
-    """The page's lines of prose: no code blocks, directives, labels or headings."""
+def numbered_prose_lines(text: str) -> list[tuple[int, str]]:
+    """The page's lines of prose, with their index: no code blocks, directives,
+    labels or headings."""
     lines, fence, in_rst_block, indent = [], None, False, 0
-    for line in text.splitlines():
+    all_lines = text.splitlines()
+    underline = re.compile(r"[=\-~^\"*]{3,}")
+    for number, line in enumerate(all_lines):
         stripped = line.strip()
         if fence:
             if stripped.startswith(fence) and stripped.strip(fence[0]) == "":
@@ -52,12 +55,20 @@ def prose_lines(text: str) -> list[str]:
             in_rst_block, indent = True, len(line) - len(line.lstrip())
             if not stripped.endswith("::") or stripped.startswith(".."):
                 continue
-        if stripped.startswith(("#", "(", "|", ":")) or re.fullmatch(
-            r"[=\-~^\"*]{3,}", stripped
+        following = all_lines[number + 1].strip() if number + 1 < len(all_lines) else ""
+        if (
+            stripped.startswith(("#", "|", ":"))
+            or re.fullmatch(r"\(.+\)=", stripped)  # a MyST label
+            or underline.fullmatch(stripped)
+            or (stripped and underline.fullmatch(following))  # an RST heading
         ):
             continue
-        lines.append(line)
+        lines.append((number, line))
     return lines
+
+
+def prose_lines(text: str) -> list[str]:
+    return [line for _, line in numbered_prose_lines(text)]
 
 
 def readable(text: str) -> str:
@@ -104,6 +115,101 @@ def test_mentions(page: Path) -> list[str]:
     return found
 
 
+GLOSSARY = DOCS / "glossary.md"
+TERM_ROLE = re.compile(r"(?:\{term\}|:term:)`([^`]*)`")
+# What a reader does not see as the page's own words: code, links, roles (term roles
+# included: they are found on their own), URLs.
+MASKED = re.compile(
+    r"``[^`]+``|\{[\w:-]+\}`[^`]*`|:[\w:-]+:`[^`]*`|`[^`]*<[^>]*>`_|`[^`]+`"
+    r"|\[[^\]]*\]\([^)]*\)|https?://\S+"
+)
+
+
+def glossary_terms() -> list[str]:
+    """The terms of the glossary page, in its order."""
+    block = GLOSSARY.read_text().split("```{glossary}\n", 1)[1].split("\n```", 1)[0]
+    return [line for line in block.splitlines() if line and not line[0].isspace()]
+
+
+def term_pattern(term: str) -> re.Pattern:
+    """A term as the pages write it: a lower-case term in any case and with a plural."""
+    if term == term.lower():
+        return re.compile(
+            rf"(?<![\w-]){re.escape(term)}(?:s|es)?(?![\w-])", re.IGNORECASE
+        )
+    return re.compile(rf"(?<![\w-]){re.escape(term)}(?:'s|s)?(?![\w-])")
+
+
+def term_uses(page: Path, terms: list[str]) -> dict[str, tuple[int, int, str, bool]]:
+    """Where each term is first used on the page: (line index, column, the words used,
+    whether that use is a link to the glossary)."""
+    prose = numbered_prose_lines(page.read_text())
+    # Paragraphs as one string, so that code spans that wrap are masked whole; each
+    # character keeps its line and column.
+    blocks, text, places = [], "", []
+    for number, line in prose + [(-1, "")]:
+        if line.strip():
+            text += line + "\n"
+            places.extend((number, col) for col in range(len(line) + 1))
+        elif text:
+            blocks.append((text, places))
+            text, places = "", []
+    first: dict[str, tuple[int, int, str, bool]] = {}
+    for text, places in blocks:
+        links = [
+            (m.start(), m.group(0), (re.search(r"<([^>]*)>$", m[1]) or m)[1].lower())
+            for m in TERM_ROLE.finditer(text)
+        ]
+        masked = MASKED.sub(lambda m: " " * len(m.group(0)), text)
+        for term in terms:
+            if term in first:
+                continue
+            # A longer term that holds this one ("local rank", "rank") is not a use.
+            visible = masked
+            for other in terms:
+                if other != term and term.lower() in other.lower():
+                    visible = term_pattern(other).sub(
+                        lambda m: " " * len(m.group(0)), visible
+                    )
+            uses = [
+                (m.start(), m.group(0), False)
+                for m in term_pattern(term).finditer(visible)
+            ]
+            uses += [
+                (at, words, True)
+                for at, words, target in links
+                if target == term.lower()
+            ]
+            if uses:
+                at, words, linked = min(uses)
+                first[term] = (*places[at], words, linked)
+    return first
+
+
+def link_first_uses(page: Path) -> int:
+    """Links the first use of each glossary term on the page to the glossary; returns
+    how many links it made. For the page's author, not for the tests."""
+    lines = page.read_text().splitlines(keepends=True)
+    edits = sorted(
+        (
+            (number, col, words, term)
+            for term, (number, col, words, linked) in term_uses(
+                page, glossary_terms()
+            ).items()
+            if not linked
+        ),
+        reverse=True,
+    )
+    for number, col, words, term in edits:
+        target = "" if words == term else f" <{term}>"
+        role = ":term:" if page.suffix == ".rst" else "{term}"
+        line = lines[number]
+        assert line[col : col + len(words)] == words, (page, number, words)
+        lines[number] = f"{line[:col]}{role}`{words}{target}`{line[col + len(words) :]}"
+    page.write_text("".join(lines))
+    return len(edits)
+
+
 def report() -> str:
     rows = ["page | test mentions | sentences > 35 words | longest (words)"]
     for page in PAGES:
@@ -116,7 +222,11 @@ def report() -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--long"]:
+    if sys.argv[1:] == ["--link-terms"]:
+        for page in PAGES:
+            if page != GLOSSARY:
+                print(page.relative_to(DOCS), link_first_uses(page))
+    elif sys.argv[1:] == ["--long"]:
         for page in PAGES:
             for sentence in sentences(page):
                 if words(sentence) > LONG:

@@ -70,3 +70,23 @@ def test_a_restart_changes_the_last_bits_only_beyond_two_processes(world_size):
     else:
         assert record["differing"], record
     assert record["differing_with_one_order"] == []
+
+
+def test_an_unused_parameter_gives_ddps_error_and_each_fix_removes_it():
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         "--nproc-per-node=2", str(SNIPPETS / "unused_parameters.py")],
+        env=base_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = sorted(decode_records(result.stdout, '{"rank"'), key=lambda r: r["rank"])
+    assert [r["rank"] for r in records] == [0, 1]
+    for r in records:
+        # The troubleshooting page's heading quotes the start of the message.
+        assert r["error"].startswith(
+            "Expected to have finished reduction in the prior iteration before "
+            "starting a new one. This error indicates that your module has parameters "
+            "that were not used in producing loss."
+        ), r["error"]
+        assert r["find_unused_parameters"] is None
+        assert r["requires_grad_false"] is None

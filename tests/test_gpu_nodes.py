@@ -8,7 +8,10 @@ training on CPUs, how a process picks its GPU and counts its DataLoader
 workers, and what the pages say about NCCL and DDP against this torch.
 """
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -385,3 +388,20 @@ def test_ddp_first_step_buckets_are_as_the_troubleshooting_page_says():
         [(1,), (2, 1), (2,)],
         [(1, 300_000)],
     ]
+
+
+def test_the_adapt_pages_build_check_prints_what_the_page_says():
+    text = (DOCS / "adapt.md").read_text()
+    [line] = re.findall(r"^```bash\n(python -c .*get_arch_list.*)\n```$", text, re.M)
+    python_bin = Path(sys.executable).parent
+    result = subprocess.run(
+        ["bash", "-c", line], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PATH": f"{python_bin}:{os.environ['PATH']}"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [printed] = re.findall(r"The PyPI build prints `([^`]+)`", text)
+    assert result.stdout.strip() == printed
+    # And the driver the page names for that CUDA.
+    assert (
+        f"driver {DRIVER_FOR_CUDA[torch.version.cuda.split('.')[0]]} or newer" in text
+    )

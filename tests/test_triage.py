@@ -109,3 +109,59 @@ def test_detail_debug_names_ranks_that_call_different_collectives(lab, tmp_path)
         job.output,
     ), job.output
     assert set(NODES) >= set(re.findall(r"on (cn\d): ready", job.output))
+
+
+def sbatch(lab: Lab, tmp_path: Path, *options: str) -> str:
+    result = subprocess.run(
+        ["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", *options],
+        env=lab.env(), capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_squeue_says_why_each_job_is_pending(lab, tmp_path):
+    failed = sbatch(lab, tmp_path, "--wrap=exit 1")
+    assert lab.wait(failed, tmp_path, timeout=30).state == "FAILED"
+    # Both nodes, whole, for a minute; then a job for each of the page's reasons.
+    busy = sbatch(lab, tmp_path, "--nodes=2", "--exclusive", "--wrap=sleep 60")
+    pending = {
+        sbatch(lab, tmp_path, "--nodes=1", "--wrap=true"): "Resources",
+        sbatch(lab, tmp_path, f"--dependency=afterok:{busy}", "--wrap=true"): (
+            "Dependency"
+        ),
+        sbatch(lab, tmp_path, f"--dependency=afterok:{failed}", "--wrap=true"): (
+            "DependencyNeverSatisfied"
+        ),
+        sbatch(lab, tmp_path, "--begin=now+1hour", "--wrap=true"): "BeginTime",
+        sbatch(lab, tmp_path, "--hold", "--wrap=true"): "JobHeldUser",
+    }
+    try:
+        squeue = page_command("squeue --me")
+        deadline = time.monotonic() + 30
+        while True:
+            result = subprocess.run(
+                ["bash", "-c", squeue], env=lab.env(), capture_output=True, text=True
+            )
+            assert result.returncode == 0, result.stderr
+            # JOBID PARTITION NAME USER ST TIME NODES NODELIST(REASON)
+            rows = {r.split()[0]: r.split() for r in result.stdout.splitlines()[1:]}
+            reasons = {job: rows[job][-1].strip("()") for job in pending}
+            if reasons == pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert reasons == pending, result.stdout
+        assert all(rows[job][4] == "PD" for job in pending), result.stdout
+        assert rows[busy][4] == "R", result.stdout
+        # The page's way to see one job's reason, and what it waits for.
+        job = next(j for j, r in pending.items() if r == "DependencyNeverSatisfied")
+        show = page_command("scontrol show job 12345").replace(JOB_ID, job)
+        result = subprocess.run(
+            ["bash", "-c", show], env=lab.env(), capture_output=True, text=True
+        )
+        assert "Reason=DependencyNeverSatisfied" in result.stdout, result.stdout
+        assert f"Dependency=afterok:{failed}(failed)" in result.stdout, result.stdout
+    finally:
+        subprocess.run(
+            ["scancel", busy, *pending], env=lab.env(), capture_output=True, timeout=30
+        )

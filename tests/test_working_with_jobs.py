@@ -195,3 +195,42 @@ def hold_all_cpus(lab, tmp_path) -> str:
             return job_id
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} did not start its step: {info}")
+
+
+def test_gres_and_gpus_per_node_ask_for_the_same_gpus_and_mem_per_gpu_scales(
+    lab, tmp_path
+):
+    # The adapt page's sizing advice, on Slurm 24.11: --gres=gpu:4 and --gpus-per-node=4
+    # give a job the same GPUs; --mem-per-gpu gives memory in proportion to them.
+    asks = {
+        "gres": ["--gres=gpu:4"],
+        "gpus-per-node": ["--gpus-per-node=4"],
+        "mem-per-gpu": ["--gpus-per-node=4", "--mem-per-gpu=32G"],
+    }
+    jobs = {}
+    for name, options in asks.items():
+        jobs[name] = run(
+            lab,
+            f"sbatch --parsable --nodes=1 --output={tmp_path}/{name}.out "
+            f"{' '.join(options)} --wrap='env | sort'",
+        ).stdout.strip()
+    for name, job_id in jobs.items():
+        assert lab.wait(job_id, tmp_path, timeout=60).state == "COMPLETED", name
+    info = {name: lab.job_info(job_id) for name, job_id in jobs.items()}
+    env = {
+        name: dict(
+            line.split("=", 1)
+            for line in (tmp_path / f"{name}.out").read_text().splitlines()
+            if "=" in line
+        )
+        for name in jobs
+    }
+    for name in jobs:
+        assert info[name]["TresPerNode"] == "gres/gpu:4", info[name]
+        assert env[name]["SLURM_GPUS_ON_NODE"] == "4"
+        assert len(env[name]["CUDA_VISIBLE_DEVICES"].split(",")) == 4
+    # Only --gpus-per-node sets SLURM_GPUS_PER_NODE.
+    assert "SLURM_GPUS_PER_NODE" not in env["gres"]
+    assert env["gpus-per-node"]["SLURM_GPUS_PER_NODE"] == "4"
+    # 4 GPUs x 32 GiB.
+    assert "mem=128G" in info["mem-per-gpu"]["ReqTRES"], info["mem-per-gpu"]
