@@ -57,7 +57,8 @@ def numbered_prose_lines(text: str) -> list[tuple[int, str]]:
                 continue
         following = all_lines[number + 1].strip() if number + 1 < len(all_lines) else ""
         if (
-            stripped.startswith(("#", "|", ":"))
+            stripped.startswith(("#", "|"))
+            or re.match(r":[\w-]+:(\s|$)", stripped)  # a directive's option
             or re.fullmatch(r"\(.+\)=", stripped)  # a MyST label
             or underline.fullmatch(stripped)
             or (stripped and underline.fullmatch(following))  # an RST heading
@@ -161,6 +162,8 @@ def term_uses(page: Path, terms: list[str]) -> dict[str, tuple[int, int, str, bo
             for m in TERM_ROLE.finditer(text)
         ]
         masked = MASKED.sub(lambda m: " " * len(m.group(0)), text)
+        if page.suffix == ".rst":  # reStructuredText cannot nest a role in bold text
+            masked = re.sub(r"\*\*[^*]+\*\*", lambda m: " " * len(m[0]), masked)
         for term in terms:
             if term in first:
                 continue

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs" / "_ext"))
 import guide_code  # noqa: E402
+import page_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -277,3 +278,64 @@ def test_a_page_authors_slips_are_reported_with_their_place(tmp_path, monkeypatc
     assert (
         "index.rst:7: WARNING: Lexing literal_block" in text and "diff-python" in text
     )
+
+
+# ------------------------------------------------------------
+# Plain words (tests/page_text.py measures the pages' prose)
+
+HOW_TO_PAGES = [p for p in page_text.PAGES if p.stem not in {"testing", "glossary"}]
+
+
+@pytest.mark.parametrize("page", HOW_TO_PAGES, ids=lambda p: p.stem)
+def test_how_to_pages_mention_the_tests_only_by_a_link_to_the_testing_page(page):
+    # What was run and how belongs on the testing page; a how-to page says "Tested:"
+    # with a link to the section there.
+    assert page_text.test_mentions(page) == []
+
+
+@pytest.mark.parametrize("page", HOW_TO_PAGES, ids=lambda p: p.stem)
+def test_how_to_pages_have_no_sentence_over_35_words(page):
+    long = [s for s in page_text.sentences(page) if page_text.words(s) > page_text.LONG]
+    assert long == []
+
+
+def test_every_tested_link_has_its_section_on_the_testing_page():
+    labels = set(
+        re.findall(r"^\((tested-[\w-]+)\)=$", (DOCS / "testing.md").read_text(), re.M)
+    )
+    for page in HOW_TO_PAGES:
+        for label in re.findall(r"<(tested-[\w-]+)>`", page.read_text()):
+            assert label in labels, f"{page.name}: {label}"
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p for p in page_text.PAGES if p != page_text.GLOSSARY],
+    ids=lambda p: p.stem,
+)
+def test_each_glossary_term_is_linked_where_a_page_first_uses_it(page):
+    uses = page_text.term_uses(page, page_text.glossary_terms())
+    unlinked = {
+        term: f"line {number + 1}: {words}"
+        for term, (number, _, words, linked) in uses.items()
+        if not linked
+    }
+    assert not unlinked, "run `python tests/page_text.py --link-terms`"
+
+
+def test_the_page_measures_see_what_they_should(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# A rank heading\n\n"
+        "The guide's tests check this. Tested: {ref}`how <tested-x>`.\n"
+        "`sbatch --test-only` is a command. Each {term}`rank` has a rank.\n\n"
+        "```bash\nthe tests in code do not count, nor does a rank\n```\n\n"
+        + "word " * 36
+        + "ends here.\n"
+    )
+    assert len(page_text.test_mentions(page)) == 1
+    assert [page_text.words(s) for s in page_text.sentences(page)][-1] == 38
+    uses = page_text.term_uses(page, ["rank", "task"])
+    assert uses == {"rank": (3, 40, "{term}`rank`", True)}
+    page.write_text("A task and a {term}`task`.\n")
+    assert page_text.term_uses(page, ["task"])["task"][3] is False
