@@ -339,3 +339,15 @@ def test_the_page_measures_see_what_they_should(tmp_path, monkeypatch):
     assert uses == {"rank": (3, 40, "{term}`rank`", True)}
     page.write_text("A task and a {term}`task`.\n")
     assert page_text.term_uses(page, ["task"])["task"][3] is False
+
+
+def test_every_test_and_file_the_pages_name_exists():
+    tests = "".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))
+    for page in PAGES:
+        text = page.read_text()
+        for name in set(re.findall(r"`(test_\w+)`", text)):
+            assert re.search(rf"def {name}\b", tests), f"{page.name}: {name}"
+        for path in set(
+            re.findall(r"`((?:tests|examples|docs)/[\w./-]+\.(?:py|sh))`", text)
+        ):
+            assert (ROOT / path).is_file(), f"{page.name}: {path}"
