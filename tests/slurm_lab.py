@@ -228,6 +228,15 @@ class Lab:
         # Daemons started by an earlier run of this module whose pid files are gone.
         subprocess.run(["pkill", "-9", "-f", f"{self.state}/"], capture_output=True)
         for name in NODES:
+            # What still runs on a node: a job step's slurmstepd that was finishing
+            # as slurmd stopped, and what it started.
+            pids = subprocess.run(
+                ["ip", "netns", "pids", f"ddplab-{name}"],
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+            if pids:
+                subprocess.run(["kill", "-9", *pids], capture_output=True)
             subprocess.run(
                 ["ip", "netns", "delete", f"ddplab-{name}"], capture_output=True
             )

@@ -72,11 +72,13 @@ def test_a_restart_changes_the_last_bits_only_beyond_two_processes(world_size):
     assert record["differing_with_one_order"] == []
 
 
-def test_an_unused_parameter_gives_ddps_error_and_each_fix_removes_it():
+@pytest.mark.parametrize("debug", ["OFF", "INFO"])
+def test_an_unused_parameter_gives_ddps_error_and_each_fix_removes_it(debug):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          "--nproc-per-node=2", str(SNIPPETS / "unused_parameters.py")],
-        env=base_env(), capture_output=True, text=True, timeout=120,
+        env={**base_env(), "TORCH_DISTRIBUTED_DEBUG": debug},
+        capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     records = sorted(decode_records(result.stdout, '{"rank"'), key=lambda r: r["rank"])
@@ -88,5 +90,12 @@ def test_an_unused_parameter_gives_ddps_error_and_each_fix_removes_it():
             "starting a new one. This error indicates that your module has parameters "
             "that were not used in producing loss."
         ), r["error"]
+        # With INFO, as the page says, the message names the parameters.
+        names = "extra_head.bias, extra_head.weight"
+        assert r["names"] == (
+            [f"Parameters which did not receive grad for rank {r['rank']}: {names}"]
+            if debug == "INFO"
+            else []
+        )
         assert r["find_unused_parameters"] is None
         assert r["requires_grad_false"] is None

@@ -2,13 +2,14 @@
 are taken from the page and run against a job that hangs on purpose (tests/hang/)."""
 
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from slurm_lab import NODES, Lab
+from slurm_lab import NODES, Lab, job_processes
 from smoke import EXAMPLES_DIR
 
 pytestmark = pytest.mark.slurm
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.slurm
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 HANG = Path(__file__).resolve().parent / "hang" / "job.sh"
 JOB_ID = "12345"  # the job ID in the page's commands
-STACK = re.compile(r"^=== (\S+) pid (\d+) rank (\d+): (.*)$", re.M)
+STACK = re.compile(r"^=== (\S+) pid (\d+) \(parent \d+\) rank (\d+): (.*)$", re.M)
 
 
 def page_command(start: str) -> str:
@@ -46,48 +47,61 @@ def wait_for(lab: Lab, job_id: str, out: Path, text: str, count: int) -> str:
 
 
 def test_stacks_of_every_rank_show_which_one_is_stuck(lab, tmp_path):
+    heartbeat = tmp_path / "heartbeat"
     job_id = lab.sbatch(
-        HANG, "--stuck", site="generic", workdir=tmp_path, OMP_NUM_THREADS="1"
-    )
+        HANG, "--stuck", "--heartbeat", str(heartbeat), site="generic",
+        workdir=tmp_path, OMP_NUM_THREADS="1",
+    )  # fmt: skip
     try:
         output = wait_for(lab, job_id, tmp_path / f"slurm-{job_id}.out", "ready", 4)
         placed = dict(re.findall(r"^rank (\d+) on (\S+): ready", output, re.M))
+        # As the page says: the script copied to the cluster, run with the job's ID.
+        shutil.copy(EXAMPLES_DIR / "triage" / "stacks.sh", tmp_path)
         line = page_command("bash stacks.sh").replace(JOB_ID, job_id)
         result = subprocess.run(
-            ["bash", "-c", line], cwd=EXAMPLES_DIR / "triage", env=user_env(lab),
+            ["bash", "-c", line], cwd=tmp_path, env=user_env(lab),
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
-        assert result.returncode == 0, result.stdout + result.stderr
+        report = (tmp_path / "stacks.txt").read_text()
+        assert result.returncode == 0, report + result.stderr
         stacks = {}
-        for block in re.split(r"(?m)^(?====)", result.stdout):
+        for block in re.split(r"(?m)^(?====)", report):
             header = STACK.match(block)
             if header and "main.py" in header.group(4):
                 host, pid, rank, _ = header.groups()
                 # Each process's stack whole, under its own header.
-                assert f"Process {pid}: " in block, result.stdout
+                assert f"Process {pid}: " in block, report
                 # Every process of every rank, on the node that Slurm placed it on.
                 assert placed[rank] == host, (rank, host, placed)
                 stacks.setdefault(int(rank), []).append(block)
-        assert sorted(stacks) == [0, 1, 2, 3], result.stdout + result.stderr
+        assert sorted(stacks) == [0, 1, 2, 3], report + result.stderr
         # The odd one out: rank 1 is stuck elsewhere; the others wait in the collective.
         assert all("load_batch" in b for b in stacks[1]), stacks[1]
         for rank in (0, 2, 3):
             assert any("all_reduce" in b for b in stacks[rank]), stacks[rank]
             assert not any("load_batch" in b for b in stacks[rank])
-        # The hung job kept running: reading stacks does not stop the processes.
+        # Reading the stacks stopped nothing: the stuck rank still counts, and no
+        # process of the job is left stopped (state T).
+        beats = int(heartbeat.read_text())
+        time.sleep(1)
+        assert int(heartbeat.read_text()) > beats
+        for pid, cmdline, _ in job_processes(job_id):
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            assert state != "T", (pid, cmdline)
         assert lab.job_info(job_id)["JobState"] == "RUNNING"
     finally:
         subprocess.run(["scancel", job_id], env=lab.env(), capture_output=True)
 
 
 def test_stacks_of_a_job_that_is_not_running_say_so(lab, tmp_path):
+    shutil.copy(EXAMPLES_DIR / "triage" / "stacks.sh", tmp_path)
     line = page_command("bash stacks.sh").replace(JOB_ID, "999999")
     result = subprocess.run(
-        ["bash", "-c", line], cwd=EXAMPLES_DIR / "triage", env=user_env(lab),
+        ["bash", "-c", line], cwd=tmp_path, env=user_env(lab),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 1
-    assert "job 999999 is not running" in result.stderr
+    assert "999999 is not one running job" in result.stderr
 
 
 def test_detail_debug_names_ranks_that_call_different_collectives(lab, tmp_path):
@@ -100,12 +114,14 @@ def test_detail_debug_names_ranks_that_call_different_collectives(lab, tmp_path)
     )  # fmt: skip
     job = lab.wait(job_id, tmp_path, timeout=120)
     assert job.state == "FAILED", job.output
-    assert time.monotonic() - start < 60, job.output
-    # Which rank ran which collective, in the message.
+    # Long before gloo's own timeout, 30 minutes.
+    assert time.monotonic() - start < 90, job.output
+    # Which rank ran which collective, both in the message.
     assert re.search(
         r"Detected mismatch between collectives on ranks\. Rank \d is running "
         r"collective: CollectiveFingerPrint\(SequenceNumber=1, OpType=(ALLREDUCE|"
-        r"BROADCAST)",
+        r"BROADCAST).*but Rank \d is running collective: CollectiveFingerPrint\("
+        r"SequenceNumber=1, OpType=(?!\1)(ALLREDUCE|BROADCAST)",
         job.output,
     ), job.output
     assert set(NODES) >= set(re.findall(r"on (cn\d): ready", job.output))
@@ -123,8 +139,8 @@ def sbatch(lab: Lab, tmp_path: Path, *options: str) -> str:
 def test_squeue_says_why_each_job_is_pending(lab, tmp_path):
     failed = sbatch(lab, tmp_path, "--wrap=exit 1")
     assert lab.wait(failed, tmp_path, timeout=30).state == "FAILED"
-    # Both nodes, whole, for a minute; then a job for each of the page's reasons.
-    busy = sbatch(lab, tmp_path, "--nodes=2", "--exclusive", "--wrap=sleep 60")
+    # Both nodes, whole, until the test cancels it; then a job for each reason.
+    busy = sbatch(lab, tmp_path, "--nodes=2", "--exclusive", "--wrap=sleep 600")
     pending = {
         sbatch(lab, tmp_path, "--nodes=1", "--wrap=true"): "Resources",
         sbatch(lab, tmp_path, f"--dependency=afterok:{busy}", "--wrap=true"): (
@@ -138,7 +154,7 @@ def test_squeue_says_why_each_job_is_pending(lab, tmp_path):
     }
     try:
         squeue = page_command("squeue --me")
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90
         while True:
             result = subprocess.run(
                 ["bash", "-c", squeue], env=lab.env(), capture_output=True, text=True

@@ -5,7 +5,8 @@ Run it with torchrun, on the CPU:
 head that the loss uses only when asked. DDP (find_unused_parameters=False, the default)
 waits for a gradient of every parameter before the step ends; the unused head never
 gets one, and the next forward fails. Each rank prints, as JSON, the start of the error,
-and whether each fix trains without one.
+the parameters it names (with TORCH_DISTRIBUTED_DEBUG=INFO), and whether each fix trains
+without an error.
 """
 
 import json
@@ -29,7 +30,7 @@ class TwoHeads(torch.nn.Module):
 
 
 def train(model: torch.nn.Module, steps: int = 3) -> str | None:
-    """Trains without the extra head; returns the error's first line, or None."""
+    """Trains without the extra head; returns the error's message, or None."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
         for _ in range(steps):
@@ -38,7 +39,7 @@ def train(model: torch.nn.Module, steps: int = 3) -> str | None:
             optimizer.step()
             optimizer.zero_grad()
     except RuntimeError as error:
-        return str(error).splitlines()[0]
+        return str(error)
     return None
 
 
@@ -52,9 +53,11 @@ def main():
     frozen = TwoHeads()
     frozen.extra_head.requires_grad_(False)
     without_grad = train(DistributedDataParallel(frozen))
+    named = [line for line in error.splitlines() if line.startswith("Parameters which")]
     record = {
         "rank": dist.get_rank(),
-        "error": error,
+        "error": error.splitlines()[0],
+        "names": named,
         "find_unused_parameters": found,
         "requires_grad_false": without_grad,
     }

@@ -5,6 +5,7 @@ import argparse
 import datetime
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--stuck", action="store_true")
     parser.add_argument("--mismatch", action="store_true")
+    parser.add_argument("--heartbeat", type=Path, help="where the stuck rank counts")
     args = parser.parse_args()
     rank, world_size = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
     serves = os.environ["SLURM_NODEID"] == "0" and os.environ["SLURM_LOCALID"] == "0"
@@ -27,7 +29,7 @@ def main():
     host = os.uname().nodename
     print(f"rank {rank} on {host}: ready, {int(total)} ranks", flush=True)
     if args.stuck and rank == 1:
-        load_batch()
+        load_batch(args.heartbeat)
     if args.mismatch and rank == 1:
         dist.broadcast(total, src=0)
     else:
@@ -36,11 +38,15 @@ def main():
     dist.destroy_process_group()
 
 
-def load_batch():
+def load_batch(heartbeat: Path):
     """Stands for a rank that never reaches the next collective: a read from a file
-    system that does not answer, a deadlock in a DataLoader worker."""
+    system that does not answer, a deadlock in a DataLoader worker. It counts in
+    `heartbeat`, so that a test can see it still runs."""
+    beats = 0
     while True:
-        time.sleep(1)
+        beats += 1
+        heartbeat.write_text(str(beats))
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":
