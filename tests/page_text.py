@@ -106,7 +106,16 @@ def words(sentence: str) -> int:
     return len(re.findall(r"[\w`'’.-]+", sentence))
 
 
-def test_mentions(page: Path) -> list[str]:
+def page_command(page: str, start: str) -> str:
+    """The one-line ```bash block of a page (`adapt.md`) that starts with `start`: the
+    command as a reader copies it. Blocks indented in a list count too."""
+    text = (DOCS / page).read_text()
+    commands = re.findall(r"^ *```bash\n *(.+)\n *```$", text, re.M)
+    [found] = [c for c in commands if c.startswith(start)]
+    return found
+
+
+def mentions_of_tests(page: Path) -> list[str]:
     """Sentences that mention the tests other than by a link to the testing page."""
     found = []
     for paragraph in paragraphs(page):
@@ -218,7 +227,7 @@ def report() -> str:
     for page in PAGES:
         lengths = [words(s) for s in sentences(page)]
         rows.append(
-            f"{page.relative_to(DOCS)} | {len(test_mentions(page))} | "
+            f"{page.relative_to(DOCS)} | {len(mentions_of_tests(page))} | "
             f"{sum(n > LONG for n in lengths)} | {max(lengths, default=0)}"
         )
     return "\n".join(rows)

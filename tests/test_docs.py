@@ -13,11 +13,7 @@ import page_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = sorted(
-    p
-    for p in DOCS.glob("**/*")
-    if p.suffix in {".md", ".rst"} and "_build" not in p.parts
-)
+PAGES = page_text.PAGES
 INCLUDE = re.compile(r"(?:\{literalinclude\}|literalinclude::)\s+(\S+)")
 DIFF = re.compile(r"^\s*:diff:\s+(\S+)", re.MULTILINE)
 
@@ -290,7 +286,7 @@ HOW_TO_PAGES = [p for p in page_text.PAGES if p.stem not in {"testing", "glossar
 def test_how_to_pages_mention_the_tests_only_by_a_link_to_the_testing_page(page):
     # What was run and how belongs on the testing page; a how-to page says "Tested:"
     # with a link to the section there.
-    assert page_text.test_mentions(page) == []
+    assert page_text.mentions_of_tests(page) == []
 
 
 @pytest.mark.parametrize("page", HOW_TO_PAGES, ids=lambda p: p.stem)
@@ -323,7 +319,7 @@ def test_each_glossary_term_is_linked_where_a_page_first_uses_it(page):
     assert not unlinked, "run `python tests/page_text.py --link-terms`"
 
 
-def test_the_page_measures_see_what_they_should(tmp_path, monkeypatch):
+def test_the_page_measures_see_what_they_should(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
         "# A rank heading\n\n"
@@ -333,7 +329,7 @@ def test_the_page_measures_see_what_they_should(tmp_path, monkeypatch):
         + "word " * 36
         + "ends here.\n"
     )
-    assert len(page_text.test_mentions(page)) == 1
+    assert len(page_text.mentions_of_tests(page)) == 1
     assert [page_text.words(s) for s in page_text.sentences(page)][-1] == 38
     uses = page_text.term_uses(page, ["rank", "task"])
     assert uses == {"rank": (3, 40, "{term}`rank`", True)}

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from page_text import page_command
 from smoke import EXAMPLES, EXAMPLES_DIR, load_main, run_example
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -392,7 +393,7 @@ def test_ddp_first_step_buckets_are_as_the_troubleshooting_page_says():
 
 def test_the_adapt_pages_build_check_prints_what_the_page_says():
     text = (DOCS / "adapt.md").read_text()
-    [line] = re.findall(r"^```bash\n(python -c .*get_arch_list.*)\n```$", text, re.M)
+    line = page_command("adapt.md", "python -c ")
     python_bin = Path(sys.executable).parent
     result = subprocess.run(
         ["bash", "-c", line], capture_output=True, text=True, timeout=120,

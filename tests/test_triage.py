@@ -9,23 +9,15 @@ import time
 from pathlib import Path
 
 import pytest
+from page_text import page_command
 from slurm_lab import NODES, Lab, job_processes
 from smoke import EXAMPLES_DIR
 
 pytestmark = pytest.mark.slurm
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
 HANG = Path(__file__).resolve().parent / "hang" / "job.sh"
 JOB_ID = "12345"  # the job ID in the page's commands
 STACK = re.compile(r"^=== (\S+) pid (\d+) \(parent \d+\) rank (\d+): (.*)$", re.M)
-
-
-def page_command(start: str) -> str:
-    """The troubleshooting page's one-line ```bash block that starts with `start`."""
-    text = (DOCS / "troubleshooting.md").read_text()
-    commands = re.findall(r"^ *```bash\n *(.+)\n *```$", text, re.M)
-    [found] = [c for c in commands if c.startswith(start)]
-    return found
 
 
 def user_env(lab: Lab, **extra: str) -> dict[str, str]:
@@ -57,7 +49,9 @@ def test_stacks_of_every_rank_show_which_one_is_stuck(lab, tmp_path):
         placed = dict(re.findall(r"^rank (\d+) on (\S+): ready", output, re.M))
         # As the page says: the script copied to the cluster, run with the job's ID.
         shutil.copy(EXAMPLES_DIR / "triage" / "stacks.sh", tmp_path)
-        line = page_command("bash stacks.sh").replace(JOB_ID, job_id)
+        line = page_command("troubleshooting.md", "bash stacks.sh").replace(
+            JOB_ID, job_id
+        )
         result = subprocess.run(
             ["bash", "-c", line], cwd=tmp_path, env=user_env(lab),
             capture_output=True, text=True, timeout=120,
@@ -95,7 +89,9 @@ def test_stacks_of_every_rank_show_which_one_is_stuck(lab, tmp_path):
 
 def test_stacks_of_a_job_that_is_not_running_say_so(lab, tmp_path):
     shutil.copy(EXAMPLES_DIR / "triage" / "stacks.sh", tmp_path)
-    line = page_command("bash stacks.sh").replace(JOB_ID, "999999")
+    line = page_command("troubleshooting.md", "bash stacks.sh").replace(
+        JOB_ID, "999999"
+    )
     result = subprocess.run(
         ["bash", "-c", line], cwd=tmp_path, env=user_env(lab),
         capture_output=True, text=True, timeout=60,
@@ -106,7 +102,9 @@ def test_stacks_of_a_job_that_is_not_running_say_so(lab, tmp_path):
 
 def test_detail_debug_names_ranks_that_call_different_collectives(lab, tmp_path):
     # The page's line, as job.sh would run it before srun.
-    name, value = page_command("export TORCH_DISTRIBUTED_DEBUG=")[7:].split("=")
+    name, value = page_command("troubleshooting.md", "export TORCH_DISTRIBUTED_DEBUG=")[
+        7:
+    ].split("=")
     start = time.monotonic()
     job_id = lab.sbatch(
         HANG, "--mismatch", site="generic", workdir=tmp_path, OMP_NUM_THREADS="1",
@@ -153,7 +151,7 @@ def test_squeue_says_why_each_job_is_pending(lab, tmp_path):
         sbatch(lab, tmp_path, "--hold", "--wrap=true"): "JobHeldUser",
     }
     try:
-        squeue = page_command("squeue --me")
+        squeue = page_command("troubleshooting.md", "squeue --me")
         deadline = time.monotonic() + 90
         while True:
             result = subprocess.run(
@@ -171,7 +169,9 @@ def test_squeue_says_why_each_job_is_pending(lab, tmp_path):
         assert rows[busy][4] == "R", result.stdout
         # The page's way to see one job's reason, and what it waits for.
         job = next(j for j, r in pending.items() if r == "DependencyNeverSatisfied")
-        show = page_command("scontrol show job 12345").replace(JOB_ID, job)
+        show = page_command("troubleshooting.md", "scontrol show job 12345").replace(
+            JOB_ID, job
+        )
         result = subprocess.run(
             ["bash", "-c", show], env=lab.env(), capture_output=True, text=True
         )

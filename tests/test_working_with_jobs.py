@@ -9,24 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
+from page_text import page_command
 from slurm_lab import NODES
 from smoke import EXAMPLES, EXAMPLES_DIR, parse_summaries
 
 pytestmark = pytest.mark.slurm
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
 NAME = "generic/template"
 JOB_ID = "12345"  # the job ID that the pages' commands use
-
-
-def page_commands(page: str) -> list[str]:
-    """The one-line ```bash blocks of a page, in order."""
-    return re.findall(r"^```bash\n(.+)\n```$", (DOCS / page).read_text(), re.M)
-
-
-def command(page: str, start: str) -> str:
-    [found] = [c for c in page_commands(page) if c.startswith(start)]
-    return found
 
 
 def run(lab, line: str, **kwargs) -> subprocess.CompletedProcess:
@@ -42,7 +32,7 @@ def run(lab, line: str, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.mark.every_version
 def test_sinfo_and_scontrol_show_what_a_job_script_needs(lab):
-    result = run(lab, command("adapt.md", "sinfo "))
+    result = run(lab, page_command("adapt.md", "sinfo "))
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
     assert header.split() == [
@@ -58,7 +48,7 @@ def test_sinfo_and_scontrol_show_what_a_job_script_needs(lab):
     assert rows[0].split() == [
         "main*", "infinite", "2", "gpu:rtx8000:4,gpu:a100:4", "32", "256000"
     ]  # fmt: skip
-    result = run(lab, command("adapt.md", "scontrol show partition"))
+    result = run(lab, page_command("adapt.md", "scontrol show partition"))
     assert result.returncode == 0, result.stderr
     for field in (
         "PartitionName=main",
@@ -74,10 +64,10 @@ def test_salloc_session_trains_on_every_node_with_labels_and_a_log_per_rank(
     lab, tmp_path
 ):
     salloc, export, label, per_rank = (
-        command("jobs.md", "salloc "),
-        command("jobs.md", "export MASTER_ADDR"),
-        command("jobs.md", "srun --label "),
-        command("jobs.md", "srun --output="),
+        page_command("jobs.md", "salloc "),
+        page_command("jobs.md", "export MASTER_ADDR"),
+        page_command("jobs.md", "srun --label "),
+        page_command("jobs.md", "srun --output="),
     )
     # The smoke run's arguments follow the page's, and win where both give one.
     smoke = (
@@ -138,13 +128,13 @@ def test_salloc_session_trains_on_every_node_with_labels_and_a_log_per_rank(
 def test_squeue_and_scontrol_show_a_running_job(lab, tmp_path):
     job_id = hold_all_cpus(lab, tmp_path)
     try:
-        result = run(lab, command("jobs.md", "squeue "))
+        result = run(lab, page_command("jobs.md", "squeue "))
         assert result.returncode == 0, result.stderr
         assert re.search(
             rf"^\s*{job_id}\s+main\s+hold\s+\S+\s+R\s", result.stdout, re.M
         )
         result = run(
-            lab, command("jobs.md", "scontrol show job").replace(JOB_ID, job_id)
+            lab, page_command("jobs.md", "scontrol show job").replace(JOB_ID, job_id)
         )
         assert f"JobId={job_id} JobName=hold" in result.stdout
         assert "NodeList=cn[1-2]" in result.stdout
@@ -155,7 +145,7 @@ def test_squeue_and_scontrol_show_a_running_job(lab, tmp_path):
 def test_srun_overlap_reaches_every_node_of_a_busy_job_and_its_gpus(lab, tmp_path):
     job_id = hold_all_cpus(lab, tmp_path)
     try:
-        line = command("jobs.md", "srun --jobid=").replace(JOB_ID, job_id)
+        line = page_command("jobs.md", "srun --jobid=").replace(JOB_ID, job_id)
         assert line.endswith(" nvidia-smi")
         start = time.monotonic()
         # The test nodes' GPUs are stand-ins that nvidia-smi cannot read: this shows
