@@ -187,10 +187,11 @@ def hold_all_cpus(lab, tmp_path) -> str:
     raise AssertionError(f"job {job_id} did not start its step: {info}")
 
 
+@pytest.mark.every_version
 def test_gres_and_gpus_per_node_ask_for_the_same_gpus_and_mem_per_gpu_scales(
     lab, tmp_path
 ):
-    # The adapt page's sizing advice, on Slurm 24.11: --gres=gpu:4 and --gpus-per-node=4
+    # The adapt page's sizing advice: --gres=gpu:4 and --gpus-per-node=4
     # give a job the same GPUs; --mem-per-gpu gives memory in proportion to them.
     asks = {
         "gres": ["--gres=gpu:4"],
@@ -216,11 +217,16 @@ def test_gres_and_gpus_per_node_ask_for_the_same_gpus_and_mem_per_gpu_scales(
         for name in jobs
     }
     for name in jobs:
-        assert info[name]["TresPerNode"] == "gres/gpu:4", info[name]
+        # gres:gpu:4 up to 22.05; gres/gpu:4 in 24.11 and 26.05.
+        assert info[name]["TresPerNode"] in {"gres/gpu:4", "gres:gpu:4"}, info[name]
+        assert info[name]["TresPerNode"] == info["gres"]["TresPerNode"]
         assert env[name]["SLURM_GPUS_ON_NODE"] == "4"
         assert len(env[name]["CUDA_VISIBLE_DEVICES"].split(",")) == 4
     # Only --gpus-per-node sets SLURM_GPUS_PER_NODE.
     assert "SLURM_GPUS_PER_NODE" not in env["gres"]
     assert env["gpus-per-node"]["SLURM_GPUS_PER_NODE"] == "4"
-    # 4 GPUs x 32 GiB.
-    assert "mem=128G" in info["mem-per-gpu"]["ReqTRES"], info["mem-per-gpu"]
+    # 32 GiB per GPU, so 4 GPUs x 32 GiB on the node. Slurm 22.05 shows no ReqTRES.
+    per_gpu = info["mem-per-gpu"]
+    assert per_gpu["MemPerTres"] in {"gres/gpu:32768", "gres:gpu:32768"}, per_gpu
+    if lab.at_least("24.11"):
+        assert "mem=128G" in per_gpu["ReqTRES"], per_gpu
