@@ -69,6 +69,10 @@ FSDP_SMOKE_ARGS = (
     "--layers", "2",
 )  # fmt: skip
 FSDP_VAL_SAMPLES = 19
+# The fabric check: all_reduce of 1 KiB to 256 KiB, a few times each.
+FABRIC_SMOKE_ARGS = (
+    "--max-bytes", "256K", "--warmup", "1", "--iterations", "3",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class Launch:
     # "tinyimagenet" or "imagefolder": generate one
     # (tinyimagenet.py), and export DATA_DIR to it
     dataset: str | None = None
+    trains: bool = True  # False for the fabric check, which times all_reduce only
 
     @property
     def world_size(self) -> int:
@@ -150,6 +155,7 @@ EXAMPLES: dict[str, Launch] = {
     "generic/fsdp": Launch(
         "srun", nodes=2, args=FSDP_SMOKE_ARGS, val_samples=FSDP_VAL_SAMPLES
     ),
+    "generic/fabric": Launch("srun", nodes=2, args=FABRIC_SMOKE_ARGS, trains=False),
     "launchers/srun_torchrun": Launch(
         "torchrun", nodes=2, args=GENERIC_SMOKE_ARGS, val_samples=GENERIC_VAL_SAMPLES,
         dataset="imagefolder",
@@ -204,6 +210,12 @@ class Run:
         if not self.summaries:  # a run stopped by a signal ends without one
             return f"{head}  ok, no summary"
         s = self.summaries[0]
+        if "results" in s:  # the fabric check
+            best = max(s["results"], key=lambda r: r["busbw_gbps"])
+            return (
+                f"{head}  ok  {s['backend']} all_reduce, busbw up to "
+                f"{best['busbw_gbps']:.3f} GB/s ({best['bytes']} bytes)"
+            )
         line = f"{head}  ok  loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}"
         if "val_samples" in s:
             line += (
@@ -514,6 +526,11 @@ def check_run(run: Run) -> list[str]:
         for key in ("first_loss", "last_loss", "val_loss"):
             if key in s and not math.isfinite(s[key]):
                 problems.append(f"rank {s.get('rank', 0)}: {key} is {s[key]}")
+        for r in s.get("results", []):  # the fabric check's timings
+            if world_size > 1 and not (
+                math.isfinite(r["busbw_gbps"]) and r["busbw_gbps"] > 0
+            ):
+                problems.append(f"rank {s['rank']}: busbw {r['busbw_gbps']} at {r}")
     metrics = [
         {k: v for k, v in s.items() if k not in ("rank", "host")} for s in run.summaries
     ]

@@ -351,6 +351,9 @@ def test_every_job_asks_for_memory(script):
     "script", JOB_SCRIPTS, ids=lambda p: str(p.parent.relative_to(EXAMPLES_DIR))
 )
 def test_no_job_logs_nccl_info_on_every_run(script):
+    if script.parent.name == "fabric":  # the network NCCL picks is what it checks
+        assert re.search(r"^export NCCL_DEBUG=INFO$", script.read_text(), re.M)
+        return
     assert not re.search(r"^\s*export NCCL_DEBUG=INFO", script.read_text(), re.M)
 
 

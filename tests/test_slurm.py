@@ -79,11 +79,13 @@ def test_sbatch_test_only_accepts_the_script(lab, name):
     assert "to start at" in result.stderr
 
 
-# Each job.sh runs to completion on every Slurm version, but for two whose Slurm lines
-# are step 4's (a test below holds them to that): the template's and FSDP2's. Those run
-# on the default version, and through sbatch --test-only on every version; their
-# main.py reads Slurm through the same plumbing as step 4's. (About 80 s of CI.)
+# Each job.sh runs to completion on every Slurm version, but for three whose Slurm lines
+# are an earlier step's (a test below holds them to that): the template's and FSDP2's
+# are step 4's, the fabric check's step 3's. Those run on the default version, and
+# through sbatch --test-only on every version; their main.py reads Slurm through the
+# same plumbing as the step's. (About 120 s of CI.)
 LIKE_STEP_4 = ["generic/template", "generic/fsdp"]
+LIKE_STEP_3 = ["generic/fabric"]
 every_version = pytest.mark.every_version
 # Mila runs Slurm 23.11.4 or later: its scripts run to completion from 24.11 on, and go
 # through sbatch --test-only on 22.05 too. (About 100 s of CI.)
@@ -91,7 +93,7 @@ SINCE = {"mila": pytest.mark.since_slurm("23.11")}
 
 
 def completion_marks(name: str) -> tuple:
-    if name in LIKE_STEP_4:
+    if name in LIKE_STEP_4 + LIKE_STEP_3:
         return ()
     site = name.split("/")[0]
     return (every_version, SINCE[site]) if site in SINCE else (every_version,)
@@ -139,21 +141,27 @@ def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
 
 def slurm_lines(name: str) -> list[str]:
     """What Slurm reads and runs in a job.sh, but for the lines that differ between
-    steps without changing how Slurm runs them: the job name, the time limit, and the
-    data folder."""
+    steps without changing how Slurm runs them: the job name, the time limit, the
+    data folder, and how much NCCL logs."""
     text = (EXAMPLES_DIR / name / "job.sh").read_text()
     return [
         line
         for line in text.splitlines()
         if line.strip()
         and (line.startswith("#SBATCH") or not line.lstrip().startswith("#"))
-        and not re.match(r"#SBATCH --(job-name|time)=|export DATA_DIR=", line)
+        and not re.match(
+            r"#SBATCH --(job-name|time)=|export (DATA_DIR|NCCL_DEBUG)=", line
+        )
     ]
 
 
-@pytest.mark.parametrize("name", LIKE_STEP_4)
-def test_job_scripts_completed_on_one_version_only_are_step_4s(name):
-    assert slurm_lines(name) == slurm_lines("generic/checkpointing")
+@pytest.mark.parametrize(
+    ("name", "step"),
+    [*((name, "generic/checkpointing") for name in LIKE_STEP_4),
+     *((name, "generic/multi_node") for name in LIKE_STEP_3)],
+)  # fmt: skip
+def test_job_scripts_completed_on_one_version_only_are_like_a_step(name, step):
+    assert slurm_lines(name) == slurm_lines(step)
     assert slurm_lines("generic/checkpointing") != slurm_lines("generic/multi_node")
 
 
