@@ -1,6 +1,8 @@
 """Sessions for the guide.
 
 nox -s examples docs    every example in CPU smoke mode, then the site
+nox -s examples -- --gpus
+                        every example on the GPUs of this node, with NCCL
 nox -s lint tests       the test suite, Slurm test cluster and browser included (root;
                         what .ci/run runs): everything on Slurm 24.11, then the
                         every_version tests on 26.05 and 22.05
@@ -68,7 +70,8 @@ def install(session: nox.Session, group: str) -> None:
 
 @nox.session
 def examples(session: nox.Session) -> None:
-    """Runs every example in CPU gloo smoke mode, a line of results each."""
+    """Runs every example in CPU gloo smoke mode, a line of results each; with
+    `-- --gpus`, on this node's GPUs with NCCL (tests/smoke.py)."""
     install(session, "examples")
     session.run("python", "tests/smoke.py", *session.posargs)
 

@@ -1,8 +1,8 @@
 """What the CPU smoke runs cannot show, checked on the GPU of the machine it runs on.
 
-1. Every example as its smoke run (smoke.py), scaled to one process on one GPU, with
-   NCCL and the launcher its job.sh uses, and the smoke run's checks: finite, falling
-   loss, exact validation count.
+1. Every example as its smoke run on this node's GPUs (smoke.py --gpus, which
+   `nox -s examples -- --gpus` runs): a process per GPU, NCCL, the launcher its job.sh
+   uses, and the smoke run's checks.
 2. The template with a model of another kind (other_model.py) in its section "Your
    model and data", every GPU setting on (bf16, channels_last, cudnn.benchmark, pinned
    memory, torch.compile): it trains, stops on SIGTERM with a checkpoint, and resumes.
@@ -16,7 +16,6 @@ A developer's tool for a GPU node, not part of the test suite (no GPU there).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import signal
@@ -26,43 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import smoke
 import torch
 from other_model import write_sequence_template
-from smoke import EXAMPLES, EXAMPLES_DIR, Launch, base_env, check_run, run_example
+from smoke import EXAMPLES_DIR, Launch, base_env, check_run, run_example
 
 # main.py's use_gpus() reads TRAIN_ON_CPU=1 only: anything else lets it take the GPU.
 GPU = {"TRAIN_ON_CPU": "0"}
-
-
-def one_gpu(launch: Launch) -> Launch:
-    """The example's launch, scaled to one process: NCCL takes one process per GPU."""
-    args = list(launch.args)
-    if "--nprocs" in args:  # mp.spawn's process count
-        args[args.index("--nprocs") + 1] = "1"
-    return dataclasses.replace(
-        launch, nodes=1, tasks_per_node=1, procs_per_task=1, args=tuple(args)
-    )
-
-
-def check_examples() -> int:
-    failed = 0
-    for name, launch in EXAMPLES.items():
-        run = run_example(name, one_gpu(launch), env=GPU, timeout=300)
-        problems = check_run(run)
-        on_gpu = "device cuda" in run.output or "cuda:0" in run.output
-        if not on_gpu:
-            problems.append("did not report a CUDA device")
-        falling = (
-            run.summaries
-            and run.summaries[0]["last_loss"] < run.summaries[0]["first_loss"]
-        )
-        if run.ok and not falling:
-            problems.append("loss did not fall")
-        print(run.line() + (f"  PROBLEMS: {problems}" if problems else ""), flush=True)
-        if problems:
-            failed += 1
-            print(run.output[-4000:], flush=True)
-    return failed
 
 
 SEQUENCE_ARGS = (
@@ -142,7 +111,7 @@ def main() -> int:
     )
     failed = 0
     if "--skip-examples" not in sys.argv:
-        failed += check_examples()
+        failed += smoke.main(["--gpus"])
     with tempfile.TemporaryDirectory() as tmp:
         failed += check_other_model(Path(tmp))
     failed += check_template_defaults()

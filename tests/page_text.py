@@ -26,7 +26,8 @@ TESTED_LINK = re.compile(
 ROLE = re.compile(r"(?:\{[\w:-]+\}|:[\w:-]+:)`([^`]*)`")
 LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)|`([^`<]*?)\s*<[^>]*>`_")
 CODE = re.compile(r"``?[^`]+``?")
-TEST_WORD = re.compile(r"\btest(?:s|ed|ing)?\b", re.IGNORECASE)
+# "nccl-tests", NVIDIA's benchmark, is a tool, not a mention of the guide's tests.
+TEST_WORD = re.compile(r"(?<!nccl-)\btest(?:s|ed|ing)?\b", re.IGNORECASE)
 SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[A-Z(\"'`*{])")
 
 

@@ -10,10 +10,16 @@ a real cluster, with the same arguments.
 
     python tests/smoke.py                  # every example, one line each
     python tests/smoke.py mila/multi_gpu   # just these
+    python tests/smoke.py --gpus           # on this node's GPUs, with NCCL
+
+With --gpus (`nox -s examples -- --gpus` on a GPU node), each example runs on the GPUs
+of the node, a process per GPU, started as its job.sh starts them (gpu_launch()), and
+must pass the same checks, with every rank on its own GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -546,7 +552,73 @@ def check_run(run: Run) -> list[str]:
     return problems
 
 
-def main(names: list[str]) -> int:
+def gpu_launch(launch: Launch, gpus: int) -> Launch:
+    """The example's launch on one node with `gpus` GPUs: a process per GPU, started
+    as its job.sh starts them. A single-GPU step keeps one process. The FSDP2 step
+    takes as many GPUs as divide its global batch, no more."""
+    if gpus < 1:
+        raise ValueError(f"gpus must be 1 or more, not {gpus}")
+    args = list(launch.args)
+    world = gpus
+    if "--global-batch-size" in args:
+        batch = int(args[args.index("--global-batch-size") + 1])
+        world = max(w for w in range(1, gpus + 1) if batch % w == 0)
+    if launch.launcher == "python" and launch.procs_per_task == 1:
+        return dataclasses.replace(launch, nodes=1)  # step 1: one GPU
+    if launch.launcher == "python":  # mp.spawn, a process per GPU of the node
+        args[args.index("--nprocs") + 1] = str(world)
+        return dataclasses.replace(
+            launch, nodes=1, tasks_per_node=1, procs_per_task=world, args=tuple(args)
+        )
+    if launch.launcher == "srun":  # a task per GPU
+        return dataclasses.replace(
+            launch, nodes=1, tasks_per_node=world, procs_per_task=1, args=tuple(args)
+        )
+    # torchrun or torch.distributed.launch: one task, a process per GPU
+    return dataclasses.replace(
+        launch, nodes=1, tasks_per_node=1, procs_per_task=world, args=tuple(args)
+    )
+
+
+def check_gpu_run(run: Run) -> list[str]:
+    """On a GPU node, beyond check_run: every rank ran on its own GPU, the one of its
+    local rank, and a training run's loss fell."""
+    problems = check_run(run)
+    world = run.launch.world_size
+    for rank in range(world):
+        if f"[{rank}/{world}] Running on" not in run.output:
+            continue  # check_run names a missing rank
+        device = re.search(
+            rf"\[{rank}/{world}\] Running on \S+, device (\S+)", run.output
+        )
+        if not device or device[1] != f"cuda:{rank}":
+            problems.append(
+                f"rank {rank} ran on {device and device[1]}, not cuda:{rank}"
+            )
+    if run.launch.trains and run.summaries:
+        first = run.summaries[0]
+        if not first["last_loss"] < first["first_loss"]:
+            problems.append(f"loss did not fall: {first}")
+    return problems
+
+
+def gpus_here() -> int:
+    """The GPUs that torch can use on this node; stops with the reason if none."""
+    import torch  # here, so that the CPU smoke runs do not import torch in this process
+
+    if not torch.cuda.is_available():
+        sys.exit(
+            f"error: --gpus runs the examples on this node's GPUs, and torch "
+            f"{torch.__version__} finds none (CUDA {torch.version.cuda}). Run it on a "
+            "GPU node, for example: srun --gpus-per-node=4 --pty nox -s examples -- "
+            "--gpus. Without --gpus, the examples run on CPUs."
+        )
+    return torch.cuda.device_count()
+
+
+def main(argv: list[str]) -> int:
+    on_gpus = "--gpus" in argv
+    names = [arg for arg in argv if arg != "--gpus"]
     unknown = set(names) - set(EXAMPLES)
     if unknown:
         sys.exit(
@@ -558,9 +630,16 @@ def main(names: list[str]) -> int:
     launches += [
         (name, launch) for name, launch in MORE_LAUNCHES if not names or name in names
     ]
+    env, check = None, check_run
+    if on_gpus:
+        gpus = gpus_here()
+        print(f"{gpus} GPU(s): a process per GPU, NCCL", flush=True)
+        launches = [(name, gpu_launch(launch, gpus)) for name, launch in launches]
+        # use_gpus() reads TRAIN_ON_CPU=1 only: anything else lets it take the GPUs.
+        env, check = {"TRAIN_ON_CPU": "0"}, check_gpu_run
     for name, launch in launches:
-        run = run_example(name, launch)
-        problems = check_run(run)
+        run = run_example(name, launch, env=env, timeout=600 if on_gpus else 240)
+        problems = check(run)
         print(
             run.line() if not problems else f"{run.line()}  PROBLEMS: {problems}",
             flush=True,

@@ -324,11 +324,13 @@ def test_the_page_measures_see_what_they_should(tmp_path):
     page.write_text(
         "# A rank heading\n\n"
         "The guide's tests check this. Tested: {ref}`how <tested-x>`.\n"
-        "`sbatch --test-only` is a command. Each {term}`rank` has a rank.\n\n"
+        "`sbatch --test-only` is a command. Each {term}`rank` has a rank.\n"
+        "NVIDIA's nccl-tests define busbw.\n\n"
         "```bash\nthe tests in code do not count, nor does a rank\n```\n\n"
         + "word " * 36
         + "ends here.\n"
     )
+    # One sentence names the guide's tests; nccl-tests is a tool's name.
     assert len(page_text.mentions_of_tests(page)) == 1
     assert [page_text.words(s) for s in page_text.sentences(page)][-1] == 38
     uses = page_text.term_uses(page, ["rank", "task"])

@@ -2,10 +2,12 @@
 nccl-tests' bandwidths, and a sum whose answer is known."""
 
 import argparse
+import subprocess
 
 import pytest
 import torch
 import torch.distributed as dist
+from page_text import page_command
 from smoke import check_run, load_main
 
 FABRIC = "generic/fabric"
@@ -74,3 +76,38 @@ def test_a_sum_that_comes_out_wrong_stops_with_the_rank_and_what_to_do():
             fabric.check_sum(tensor, fabric.Place(0, 0, 2))
     finally:
         dist.destroy_process_group()
+
+
+# NCCL's start-up lines about the network, in the format NCCL_DEBUG=INFO writes them
+# (host:pid:tid [device] NCCL INFO ...): two processes over InfiniBand, one that fell
+# back to sockets, and one unrelated line.
+NCCL_LINES = """\
+gpu1:101:101 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [RO]; OOB ib0:10.1.0.1<0>
+gpu1:101:101 [0] NCCL INFO Using network IB
+gpu1:102:102 [1] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [RO]; OOB ib0:10.1.0.1<0>
+gpu1:102:102 [1] NCCL INFO Using network IB
+gpu2:201:201 [0] NCCL INFO NET/IB : No device found.
+gpu2:201:201 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.2<0>
+gpu2:201:201 [0] NCCL INFO Using network Socket
+gpu2:201:201 [0] NCCL INFO cudaDriverVersion 13000
+"""
+
+
+def test_the_pages_grep_counts_each_network_line(tmp_path):
+    command = page_command("fabric.md", "grep ")
+    (tmp_path / "slurm-42.out").write_text("summary: {}\n" + NCCL_LINES)
+    result = subprocess.run(
+        ["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    counts = {
+        line.split(None, 1)[1]: int(line.split()[0])
+        for line in result.stdout.splitlines()
+    }
+    assert counts == {
+        "NET/IB : Using [0]mlx5_0:1/IB [RO]": 2,
+        "NET/IB : No device found.": 1,
+        "NET/Socket : Using [0]eth0:10.0.0.2<0>": 1,
+        "Using network IB": 2,
+        "Using network Socket": 1,
+    }
