@@ -558,7 +558,9 @@ def gpu_launch(launch: Launch, gpus: int) -> Launch:
     takes as many GPUs as divide its global batch, no more."""
     if gpus < 1:
         raise ValueError(f"gpus must be 1 or more, not {gpus}")
-    args = list(launch.args)
+    # The fabric check at its own sizes, up to 1 GiB: seconds on GPUs, and a real
+    # measure of the node's links.
+    args = list(launch.args) if launch.trains else []
     world = gpus
     if "--global-batch-size" in args:
         batch = int(args[args.index("--global-batch-size") + 1])
@@ -586,15 +588,13 @@ def check_gpu_run(run: Run) -> list[str]:
     problems = check_run(run)
     world = run.launch.world_size
     for rank in range(world):
-        if f"[{rank}/{world}] Running on" not in run.output:
-            continue  # check_run names a missing rank
-        device = re.search(
-            rf"\[{rank}/{world}\] Running on \S+, device (\S+)", run.output
-        )
-        if not device or device[1] != f"cuda:{rank}":
-            problems.append(
-                f"rank {rank} ran on {device and device[1]}, not cuda:{rank}"
-            )
+        # One process logs without the [rank/world] prefix: step 1's.
+        prefix = rf"\[{rank}/{world}\] " if world > 1 else r"(?:\[0/1\] )?"
+        device = re.search(rf"{prefix}Running on \S+, device (\S+)", run.output)
+        if not device:
+            problems.append(f"rank {rank} did not say which device it ran on")
+        elif device[1] != f"cuda:{rank}":
+            problems.append(f"rank {rank} ran on {device[1]}, not cuda:{rank}")
     if run.launch.trains and run.summaries:
         first = run.summaries[0]
         if not first["last_loss"] < first["first_loss"]:
@@ -610,8 +610,10 @@ def gpus_here() -> int:
         sys.exit(
             f"error: --gpus runs the examples on this node's GPUs, and torch "
             f"{torch.__version__} finds none (CUDA {torch.version.cuda}). Run it on a "
-            "GPU node, for example: srun --gpus-per-node=4 --pty nox -s examples -- "
-            "--gpus. Without --gpus, the examples run on CPUs."
+            "GPU node, in a job step with all its GPUs and enough CPUs and memory, for "
+            "example: srun --nodes=1 --ntasks=1 --gpus-per-node=4 --cpus-per-task=16 "
+            "--mem=64G --pty nox -s examples -- --gpus. Without --gpus, the examples "
+            "run on CPUs."
         )
     return torch.cuda.device_count()
 

@@ -80,7 +80,7 @@ def test_a_sum_that_comes_out_wrong_stops_with_the_rank_and_what_to_do():
 
 # NCCL's start-up lines about the network, in the format NCCL_DEBUG=INFO writes them
 # (host:pid:tid [device] NCCL INFO ...): two processes over InfiniBand, one that fell
-# back to sockets, and one unrelated line.
+# back to sockets, a plugin's name, connections, and one unrelated line.
 NCCL_LINES = """\
 gpu1:101:101 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [RO]; OOB ib0:10.1.0.1<0>
 gpu1:101:101 [0] NCCL INFO Using network IB
@@ -90,12 +90,16 @@ gpu2:201:201 [0] NCCL INFO NET/IB : No device found.
 gpu2:201:201 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.2<0>
 gpu2:201:201 [0] NCCL INFO Using network Socket
 gpu2:201:201 [0] NCCL INFO cudaDriverVersion 13000
+gpu1:101:130 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM
+gpu1:102:131 [1] NCCL INFO Channel 00/0 : 1[1] -> 2[0] [send] via NET/IB/0/GDRDMA
+gpu2:201:230 [0] NCCL INFO Channel 00/0 : 1[1] -> 2[0] [receive] via NET/Socket/0
+gpu1:101:101 [0] NCCL INFO Using network IBext_v8
 """
 
 
 def test_the_pages_grep_counts_each_network_line(tmp_path):
     command = page_command("fabric.md", "grep ")
-    (tmp_path / "slurm-42.out").write_text("summary: {}\n" + NCCL_LINES)
+    (tmp_path / "slurm-12345.out").write_text("summary: {}\n" + NCCL_LINES)
     result = subprocess.run(
         ["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True
     )
@@ -109,5 +113,9 @@ def test_the_pages_grep_counts_each_network_line(tmp_path):
         "NET/IB : No device found.": 1,
         "NET/Socket : Using [0]eth0:10.0.0.2<0>": 1,
         "Using network IB": 2,
+        "Using network IBext_v8": 1,
         "Using network Socket": 1,
+        "via NET/IB/0/GDRDMA": 1,
+        "via NET/Socket/0": 1,
+        "via P2P/CUMEM": 1,
     }

@@ -36,6 +36,12 @@ def test_each_example_gets_a_process_per_gpu_started_as_its_job_sh_starts_it(gpu
             assert nprocs == str(gpus), name
 
 
+def test_the_fabric_check_runs_at_its_own_sizes_on_gpus():
+    # Up to 1 GiB, a real measure of the node's links, where the CPU run stops at 256K.
+    assert "--max-bytes" in EXAMPLES["generic/fabric"].args
+    assert gpu_launch(EXAMPLES["generic/fabric"], 8).args == ()
+
+
 def test_fsdp_takes_only_the_gpus_that_divide_its_global_batch():
     fsdp = EXAMPLES["generic/fsdp"]
     assert "--global-batch-size" in fsdp.args
@@ -48,16 +54,21 @@ def test_a_plan_needs_a_gpu():
         gpu_launch(EXAMPLES["generic/multi_gpu"], 0)
 
 
-def gpu_run(devices: list[str], first_loss=2.0, last_loss=1.0) -> Run:
+def gpu_run(
+    devices: list[str], first_loss=2.0, last_loss=1.0, name="generic/multi_gpu"
+) -> Run:
     world = len(devices)
-    launch = gpu_launch(EXAMPLES["generic/multi_gpu"], world)
+    launch = gpu_launch(EXAMPLES[name], world)
+    # Step 1's single process logs without the [rank/world] prefix.
+    prefix = "" if world == 1 else "[{rank}/{world}] "
     output = "\n".join(
-        f"12:00:00 [{rank}/{world}] Running on gpu1, device {device}"
+        f"12:00:00 {prefix.format(rank=rank, world=world)}Running on gpu1, device "
+        f"{device}"
         for rank, device in enumerate(devices)
     )
     summary = {"first_loss": first_loss, "last_loss": last_loss, "val_samples": 25}
     summaries = [{"rank": rank, **summary} for rank in range(world)]
-    return Run("generic/multi_gpu", launch, [0] * world, [output], 1.0, summaries)
+    return Run(name, launch, [0] * world, [output], 1.0, summaries)
 
 
 def test_the_gpu_checks_find_a_shared_gpu_a_cpu_run_and_a_loss_that_did_not_fall():
@@ -70,6 +81,14 @@ def test_the_gpu_checks_find_a_shared_gpu_a_cpu_run_and_a_loss_that_did_not_fall
     ]
     [problem] = check_gpu_run(gpu_run(["cuda:0", "cuda:1"], last_loss=2.5))
     assert problem.startswith("loss did not fall")
+    # Step 1, one process: checked too.
+    assert check_gpu_run(gpu_run(["cuda:0"], name="generic/single_gpu")) == []
+    assert check_gpu_run(gpu_run(["cpu"], name="generic/single_gpu")) == [
+        "rank 0 ran on cpu, not cuda:0"
+    ]
+    run = gpu_run(["cuda:0", "cuda:1"])
+    run.outputs = [run.outputs[0].splitlines()[0]]  # rank 1 said nothing
+    assert check_gpu_run(run) == ["rank 1 did not say which device it ran on"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
@@ -80,5 +99,8 @@ def test_without_a_gpu_the_mode_refuses_with_what_to_do():
     )  # fmt: skip
     assert result.returncode == 1
     assert "error: --gpus runs the examples on this node's GPUs" in result.stderr
-    assert "srun --gpus-per-node=4 --pty nox -s examples -- --gpus" in result.stderr
+    assert (
+        "srun --nodes=1 --ntasks=1 --gpus-per-node=4 --cpus-per-task=16 --mem=64G "
+        "--pty nox -s examples -- --gpus" in result.stderr
+    )
     assert "Running on" not in result.stdout + result.stderr  # nothing was started

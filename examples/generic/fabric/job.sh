@@ -26,13 +26,12 @@ source "$HOME/venvs/ddp/bin/activate"
 # The resources Slurm granted, at the top of the output, for when something looks wrong.
 scontrol show job "$SLURM_JOB_ID"
 # NCCL_DEBUG=INFO logs the network and GPU links NCCL picks at start: the check's
-# second result. (The training steps keep WARN: INFO on every run fills the output.)
+# second result. (The training examples keep WARN: INFO on every run fills the output.)
 # PYTHONFAULTHANDLER=1 prints each thread's Python stack when a process dies of a fatal
 # signal, such as the abort by which NCCL's watchdog ends a collective that timed out.
 export NCCL_DEBUG=INFO
 export PYTHONFAULTHANDLER=1
-# The processes get their parallelism from DataLoader workers and the GPU; one OpenMP
-# thread each keeps them from crowding the task's CPUs.
+# The check computes nothing on the CPUs: one OpenMP thread per process is plenty.
 export OMP_NUM_THREADS=1
 
 # Where the processes meet to form the process group: the job's first node, which

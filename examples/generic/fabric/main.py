@@ -1,20 +1,22 @@
 """The fabric check: how fast the job's GPUs and nodes add up a tensor together.
 
 Before you blame your script for a slow or hanging multi-node job, time the one
-operation DDP leans on: all_reduce, the sum of a tensor over every process, left on
-every process. This program times it for message sizes from 1 KiB to 1 GiB and prints,
-per size, the time, the algorithm bandwidth and the bus bandwidth, as NVIDIA's
-nccl-tests define them (doc/PERFORMANCE.md in github.com/NVIDIA/nccl-tests):
+operation DDP leans on: all_reduce, the sum of a tensor over every process, with the
+result on every process. This program times it for message sizes from 1 KiB to 1 GiB
+and prints, per size, the time, the algorithm bandwidth and the bus bandwidth, as
+NVIDIA's nccl-tests define them (doc/PERFORMANCE.md in github.com/NVIDIA/nccl-tests):
 
     algbw = size / time
     busbw = algbw * 2 * (n - 1) / n     (all_reduce over n processes)
 
-busbw is comparable with the speed of the slowest link on the way: it stays flat as n
-grows on a healthy network. job.sh sets NCCL_DEBUG=INFO, so that the output also says
-which network NCCL chose ("Using network IB", or "Socket" when it fell back to TCP).
+busbw can be compared with the links' speed, whatever the number of processes. It
+drops from one node to two (the network is slower than NVLink), then stays about flat
+as nodes are added on a healthy network. job.sh sets NCCL_DEBUG=INFO, so that the
+output also says which network NCCL chose ("Using network IB", or "Socket" when it
+fell back to TCP).
 
-Same job shape as step 3 (job.sh's #SBATCH lines are step 3's): `sbatch job.sh`, or
-`sbatch job.sh --max-bytes 64M` for a quicker check.
+job.sh asks for what step 3 of the guide's generic line asks for (2 nodes, 4 GPUs each):
+`sbatch job.sh`, or `sbatch job.sh --max-bytes 64M` for a quicker check.
 """
 
 import argparse
@@ -115,7 +117,9 @@ def parse_args(argv=None):
     )
     args = parser.parse_args(argv)
     if args.factor < 2 or args.iterations < 1 or args.warmup < 0:
-        parser.error("--factor must be 2 or more, --iterations 1 or more")
+        parser.error(
+            "--factor must be 2 or more, --iterations 1 or more, --warmup 0 or more"
+        )
     if args.max_bytes < args.min_bytes:
         parser.error("--max-bytes is smaller than --min-bytes")
     return args
