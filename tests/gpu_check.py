@@ -28,11 +28,7 @@ from pathlib import Path
 import smoke
 import torch
 from other_model import write_sequence_template
-from smoke import EXAMPLES_DIR, Launch, base_env, check_run, run_example
-
-# main.py's use_gpus() reads TRAIN_ON_CPU=1 only: anything else lets it take the GPU.
-GPU = {"TRAIN_ON_CPU": "0"}
-
+from smoke import EXAMPLES_DIR, ON_GPUS, Launch, base_env, check_run, run_example
 
 SEQUENCE_ARGS = (
     "--synthetic-data", "--synthetic-size", "6000", "--batch-size", "64",
@@ -47,7 +43,7 @@ def check_other_model(tmp: Path) -> int:
     launch = Launch("srun", args=SEQUENCE_ARGS, val_samples=50)
 
     def run(checkpoints: str, **kwargs):
-        env = {**GPU, "CHECKPOINT_DIR": str(tmp / checkpoints)}
+        env = {**ON_GPUS, "CHECKPOINT_DIR": str(tmp / checkpoints)}
         return run_example(
             "generic/template", launch, env=env, folder=folder, timeout=400, **kwargs
         )
@@ -86,7 +82,7 @@ def check_template_defaults() -> int:
         sys.executable, "main.py", "--synthetic-data", "--max-steps", "150",
         "--log-every", "25", "--warmup-steps", "10",
     ]  # fmt: skip
-    env = {**base_env(), **GPU, "OMP_NUM_THREADS": "1"}
+    env = {**base_env(), **ON_GPUS, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as checkpoints:
         env["CHECKPOINT_DIR"] = checkpoints
         result = subprocess.run(

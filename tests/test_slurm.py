@@ -84,8 +84,11 @@ def test_sbatch_test_only_accepts_the_script(lab, name):
 # are step 4's, the fabric check's step 3's. Those run on the default version, and
 # through sbatch --test-only on every version; their main.py reads Slurm through the
 # same plumbing as the step's. (About 120 s of CI.)
-LIKE_STEP_4 = ["generic/template", "generic/fsdp"]
-LIKE_STEP_3 = ["generic/fabric"]
+LIKE_A_STEP = {
+    "generic/template": "generic/checkpointing",
+    "generic/fsdp": "generic/checkpointing",
+    "generic/fabric": "generic/multi_node",
+}
 every_version = pytest.mark.every_version
 # Mila runs Slurm 23.11.4 or later: its scripts run to completion from 24.11 on, and go
 # through sbatch --test-only on 22.05 too. (About 100 s of CI.)
@@ -93,7 +96,7 @@ SINCE = {"mila": pytest.mark.since_slurm("23.11")}
 
 
 def completion_marks(name: str) -> tuple:
-    if name in LIKE_STEP_4 + LIKE_STEP_3:
+    if name in LIKE_A_STEP:
         return ()
     site = name.split("/")[0]
     return (every_version, SINCE[site]) if site in SINCE else (every_version,)
@@ -155,11 +158,7 @@ def slurm_lines(name: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize(
-    ("name", "step"),
-    [*((name, "generic/checkpointing") for name in LIKE_STEP_4),
-     *((name, "generic/multi_node") for name in LIKE_STEP_3)],
-)  # fmt: skip
+@pytest.mark.parametrize(("name", "step"), LIKE_A_STEP.items())
 def test_job_scripts_completed_on_one_version_only_are_like_a_step(name, step):
     assert slurm_lines(name) == slurm_lines(step)
     assert slurm_lines("generic/checkpointing") != slurm_lines("generic/multi_node")

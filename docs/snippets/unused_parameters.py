@@ -68,7 +68,8 @@ def main():
     # thread that frees such work then needs Python, which is shutting down: the
     # process aborts ("terminate called without an active exception"), about one
     # run in ten on a loaded machine. Collect the models first, so that the group
-    # ends here and its threads finish with it.
+    # ends here and its threads finish with it; the barrier keeps a rank from ending
+    # the group while another is still in its last collective.
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
