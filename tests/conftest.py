@@ -2,13 +2,16 @@
 job.sh), the Slurm version option, and the rule that in CI a skipped test fails."""
 
 import os
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from page_text import page_command
 from site_browser import build_site
 from slurm_lab import DEFAULT_VERSION, ROOTS, VERSIONS, Lab, LabUnavailable
-from smoke import EXAMPLES, EXAMPLES_DIR, Launch, run_example, site_of
+from smoke import Launch, run_example
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -55,6 +58,22 @@ def site(tmp_path_factory):
 
 
 JOB_TIMEOUT = 300  # seconds; 8 ranks importing torch on 2 cores take about a minute
+# The ReFrame checks of checks/examples.py run against the test cluster as
+# docs/verify.md says to run them against a real one, with the cluster's site file in
+# place of the reader's site.py.
+SITE_FILE = Path(__file__).resolve().parent / "sites" / "reframe_site.py"
+
+
+def checks_command() -> list[str]:
+    """docs/verify.md's reframe command, with this cluster's site file, and each job's
+    time limit that of the tests' own jobs."""
+    words = shlex.split(page_command("verify.md", "reframe -C site.py -c checks/ -r"))
+    reframe = str(Path(sys.executable).parent / "reframe")
+    return [
+        reframe,
+        *[str(SITE_FILE) if word == "site.py" else word for word in words[1:]],
+        "-S", f"time_limit={JOB_TIMEOUT}s",
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -77,20 +96,26 @@ def lab(pytestconfig):
 
 
 @pytest.fixture(scope="session")
-def jobs(lab, tmp_path_factory):
-    """Submits each job.sh unchanged, with its site's profile and its smoke-run
-    arguments, once; tests read the finished jobs (and the checkpoints they leave)."""
+def jobs(lab, request, tmp_path_factory):
+    """The job of each job.sh, submitted unchanged by its ReFrame check, with its site's
+    profile and its smoke-run arguments (tests/sites/reframe_site.py); tests read the
+    finished jobs (and the checkpoints they leave in `job.workdir`).
+
+    The first test that asks runs the checks of every example that the selected tests
+    ask for, in one reframe run: each job.sh runs once in a session.
+    """
+    wanted = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if "jobs" in item.fixturenames and callspec and "name" in callspec.params:
+            wanted.add(callspec.params["name"])
     done = {}
 
     def job(name: str):
         if name not in done:
-            workdir = tmp_path_factory.mktemp(name.replace("/", "-"))
-            script = EXAMPLES_DIR / name / "job.sh"
-            job_id = lab.sbatch(
-                script, *EXAMPLES[name].args, site=site_of(name), workdir=workdir,
-                OMP_NUM_THREADS="1",
-            )  # fmt: skip
-            done[name] = lab.wait(job_id, workdir, timeout=JOB_TIMEOUT)
+            batch = sorted({name} | (wanted - done.keys()))
+            prefix = tmp_path_factory.mktemp("reframe")
+            done.update(lab.run_checks(batch, prefix, checks_command()))
         return done[name]
 
     return job

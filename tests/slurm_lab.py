@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import pwd
 import shlex
@@ -49,7 +50,8 @@ from pathlib import Path
 import tinyimagenet
 
 STATE = Path("/tmp/ddp-slurm-lab")
-SITES = Path(__file__).resolve().parent / "sites"
+PROJECT = Path(__file__).resolve().parent.parent
+SITES = PROJECT / "tests" / "sites"
 # Two networks, as on clusters whose nodes have Ethernet and
 # InfiniBand: each node has an address on both, and `hostname -I`
 # lists them in this order. Names resolve to the first.
@@ -131,6 +133,10 @@ class Job:
     node_list: str
     output: str
     elapsed: float
+    # For a job of a ReFrame check (Lab.run_checks): its stage folder, where job.sh ran
+    # and left its checkpoints, and the check's verdict: "pass", or why it failed.
+    workdir: Path | None = None
+    check: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -440,7 +446,7 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         folders its commands and jobs use."""
         if self.root is None:
             return []
-        project = Path(__file__).resolve().parent.parent
+        project = PROJECT
         python = [Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()]
         for prefix in python:
             # Debian's own Python lives in /usr, which
@@ -621,6 +627,47 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
             output=output,
             elapsed=time.monotonic() - start,
         )
+
+    def run_checks(
+        self, names: list[str], prefix: Path, command: list[str]
+    ) -> dict[str, Job]:
+        """Runs the ReFrame checks of checks/examples.py for the examples `names` with
+        `command` (reframe, its site file and options), from the project's folder;
+        returns each example's job. Everything ReFrame writes goes under `prefix`."""
+        report = prefix / "report.json"
+        selection = [f"-nExampleJob%example={name}" for name in names]
+        result = subprocess.run(
+            [*command, *selection, "--prefix", str(prefix), "--keep-stage-files",
+             "--report-file", str(report)],
+            cwd=PROJECT, env=self.env(),
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert report.exists(), f"reframe ended without a report:\n{result.stdout}"
+        found = {}
+        for case in json.loads(report.read_text())["runs"][0]["testcases"]:
+            stage = Path(case["stagedir"])
+            output = "".join(
+                (stage / name).read_text(errors="replace")
+                for name in (case["job_stdout"], case["job_stderr"])
+                if name and (stage / name).exists()
+            )
+            info = self.job_info(case["jobid"]) if case["jobid"] else {}
+            verdict = case["result"]
+            if verdict != "pass":
+                verdict = f"{verdict} in {case['fail_phase']}: {case['fail_reason']}"
+            found[case["example"]] = Job(
+                job_id=str(case["jobid"]),
+                state=info.get("JobState", "UNKNOWN"),
+                exit_code=info.get("ExitCode", "?"),
+                node_list=info.get("NodeList", ""),
+                output=output,
+                elapsed=case["time_run"] or 0.0,
+                workdir=stage,
+                check=verdict,
+            )
+        missing = set(names) - found.keys()
+        assert not missing, f"no check ran for {missing}:\n{result.stdout}"
+        return found
 
     def job_info(self, job_id: str) -> dict[str, str]:
         result = subprocess.run(

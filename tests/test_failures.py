@@ -423,15 +423,14 @@ def test_python_without_srun_fails_fast(lab, tmp_path, name, args, message):
     assert message in job.output
 
 
+@pytest.mark.timeout(1800)  # it may be the first to wait for the checks' jobs
 def test_resuming_with_another_task_count_fails_fast(lab, jobs, tmp_path):
     name = "generic/checkpointing"
     # The checkpoints of job.sh run as it is, 2 x 4 tasks (test_slurm.py reads the same
-    # job), kept under its job name.
+    # job), which its ReFrame check keeps in its stage folder.
     first = jobs(name)
     assert first.ok, first.output
-    script = (EXAMPLES_DIR / name / "job.sh").read_text()
-    job_name = re.search(r"^#SBATCH --job-name=(\S+)$", script, re.M)[1]
-    checkpoints = lab.state / "scratch" / "checkpoints" / job_name
+    checkpoints = first.workdir / "checkpoints"
     assert (checkpoints / "checkpoint.pt").exists()
     # The same checkpoints, with 2 tasks instead of job.sh's 2 x 4.
     job_id = submit(

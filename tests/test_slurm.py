@@ -102,6 +102,11 @@ def completion_marks(name: str) -> tuple:
     return (every_version, SINCE[site]) if site in SINCE else (every_version,)
 
 
+# The first test to read a job waits for the one reframe run that submits them all.
+JOBS_TIMEOUT = pytest.mark.timeout(1800)
+
+
+@JOBS_TIMEOUT
 @pytest.mark.parametrize(
     "name", [pytest.param(name, marks=completion_marks(name)) for name in NAMES]
 )
@@ -113,6 +118,8 @@ def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
         f"{job.output}"
     )
     assert job.ok, report
+    # Its ReFrame check (checks/examples.py) passed too: sanity and speed.
+    assert job.check == "pass", report + job.check
 
     layout = job_layout(name)
     hosts = subprocess.run(
@@ -181,6 +188,7 @@ def test_every_site_and_launcher_is_compared_with_a_direct_run():
     assert {(site_of(name), EXAMPLES[name].launcher) for name in COMPARED} == pairs
 
 
+@JOBS_TIMEOUT
 @pytest.mark.parametrize("name", COMPARED)
 def test_job_results_match_the_direct_smoke_run(jobs, smoke_run, name):
     job = jobs(name)
