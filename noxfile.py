@@ -61,6 +61,11 @@ for variable, key in [
 ]:
     if variable not in os.environ and (value := pip_config(key)):
         os.environ[variable] = value
+# pip takes each package's versions from all its indexes; uv, by default, from the first
+# index that has the package only, so a local index with an older jsonschema would hide
+# the one reframe-hpc needs. This order still takes torch from the local indexes first.
+if "UV_EXTRA_INDEX_URL" in os.environ:
+    os.environ.setdefault("UV_INDEX_STRATEGY", "unsafe-first-match")
 os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
 
 

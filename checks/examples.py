@@ -1,14 +1,17 @@
 """ReFrame checks of the guide's examples: each job.sh, submitted as a reader copies it.
 
-One check per example folder (examples/<site>/<name>/job.sh). Each one copies the
-folder, keeps the #SBATCH lines of job.sh (but its job name and time limit, which the
-check sets) and runs `bash job.sh` with a short run's arguments inside the allocation,
-so that job.sh starts its own processes as it does for a reader. The site file
-(site_template.py) adds the partition, account and environment.
+One check per example folder (examples/<cluster>/<name>/job.sh): ExampleJob, and
+FabricCheck for the fabric check, whose speeds have their own performance log. Each
+one copies the folder and keeps the #SBATCH lines of job.sh, except the job name, the
+time limit and the dependency, which the check sets. It runs `bash job.sh` with a short
+run's arguments inside the allocation: job.sh starts its own processes as it does for a
+reader. The site file (a copy of site_template.py) adds the partition and account, and
+picks the examples to run.
 
-Sanity: every rank printed its summary, the loss is finite and falls, the validation
-counted every sample once, and the ranks agree. Performance: samples/s per GPU for the
-examples that log it (the template and FSDP2), bus bandwidth for the fabric check.
+Sanity: job.sh exited with status 0; every rank printed its summary, on the nodes and
+in the number job.sh asks for; the loss is finite and falls; the validation counted
+every sample once; the ranks agree. Performance: samples/s per GPU for the examples
+that log it (the template example and FSDP2), bus bandwidth for the fabric check.
 
     reframe -C site.py -c checks/ -r
 """
@@ -16,6 +19,7 @@ examples that log it (the template and FSDP2), bus bandwidth for the fabric chec
 import json
 import math
 import re
+from collections import Counter
 from pathlib import Path
 
 import reframe as rfm
@@ -34,42 +38,61 @@ EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLES = sorted(
     str(p.parent.relative_to(EXAMPLES_DIR)) for p in EXAMPLES_DIR.glob("*/*/job.sh")
 )
+FABRIC = "generic/fabric"
+# The examples whose speed the checks read, with the nodes to themselves (--exclusive).
+TIMED = ("generic/template", "generic/fsdp", FABRIC)
 
 # A short run of each example on synthetic data, long enough for a speed reading, and
 # the size of the validation set those arguments make (main.py's make_datasets()).
-# A site file can set others (extras "ddp_runs", see site_template.py).
-# With job.sh's 8 GPUs, an epoch of 51200 images is 50 steps of 128 images per GPU: the
-# loss is logged 5 times.
-IMAGES = "--synthetic-data", "--epochs", "1", "--max-steps", "100", "--log-every", "10"
+# A site file can set others (extras "ddp_runs", see site_template.py). With job.sh's
+# 8 GPUs of 128 images each, 102400 images are 100 steps: the loss is logged 4 times.
+# A short warm-up, so that the learning rate reaches its peak within the run.
+IMAGES = (
+    "--synthetic-data", "--epochs", "1", "--max-steps", "100", "--log-every", "25",
+    "--warmup-steps", "5",
+)  # fmt: skip
 SHORT_RUNS = {
-    "generic": {"args": [*IMAGES, "--synthetic-size", "51200"], "val_samples": 1024},
-    "launchers": {"args": [*IMAGES, "--synthetic-size", "51200"], "val_samples": 1024},
-    "ibex": {"args": [*IMAGES, "--synthetic-size", "51200"], "val_samples": 1024},
+    "generic": {"args": [*IMAGES, "--synthetic-size", "102400"], "val_samples": 2048},
+    "launchers": {"args": [*IMAGES, "--synthetic-size", "102400"], "val_samples": 2048},
+    "ibex": {"args": [*IMAGES, "--synthetic-size", "102400"], "val_samples": 2048},
     # Mila's main.py holds out 10% of the set for validation.
-    "mila": {"args": [*IMAGES, "--synthetic-size", "50000"], "val_samples": 5000},
-    "generic/fsdp": {"args": [*IMAGES, "--synthetic-size", "8192"], "val_samples": 819},
-    "generic/fabric": {"args": [], "val_samples": None},
+    "mila": {"args": [*IMAGES, "--synthetic-size", "120000"], "val_samples": 12000},
+    # Global batches of 256 sequences, 32 a GPU: a speed of throughput, not latency.
+    "generic/fsdp": {
+        "args": [
+            *IMAGES,
+            "--synthetic-size",
+            "32768",
+            "--global-batch-size",
+            "256",
+            "--log-every",
+            "10",
+        ],
+        "val_samples": 3276,
+    },  # fmt: skip
+    FABRIC: {"args": [], "val_samples": None},
 }
-# Sites whose examples need that site's environment (modules, conda, data paths); the
-# launcher variants are generic.
+# Clusters whose examples need that cluster's environment (modules, conda, data paths);
+# the launcher variants are generic.
 SITE_OF = {"launchers": "generic"}
 
 
 def job_sh_options(text: str) -> list[str]:
-    """job.sh's #SBATCH lines, as they are, but for the job name and time limit."""
+    """job.sh's #SBATCH options, but for the job name, the time limit and the
+    dependency (job.sh's singleton would queue a run of the checks behind another)."""
     return [
-        line
+        line.removeprefix("#SBATCH").strip()
         for line in text.splitlines()
         if line.startswith("#SBATCH")
-        and not re.match(r"#SBATCH\s+--(job-name|time)\b", line)
+        and not re.match(r"#SBATCH\s+--(job-name|time|dependency)\b", line)
     ]
 
 
-def ranks_asked(text: str) -> int:
-    """The processes job.sh starts: one per GPU it asks for, on every node."""
+def asked(text: str) -> tuple[int, int]:
+    """The nodes job.sh asks for, and the processes it starts on each: one per GPU."""
     nodes = re.search(r"^#SBATCH\s+--nodes=(\d+)", text, re.M)
     gpus = re.search(r"^#SBATCH\s+--gpus-per-node=(?:\w+:)?(\d+)", text, re.M)
-    return (int(nodes[1]) if nodes else 1) * (int(gpus[1]) if gpus else 1)
+    return (int(nodes[1]) if nodes else 1), (int(gpus[1]) if gpus else 1)
 
 
 def summaries(output: str) -> list[dict]:
@@ -83,17 +106,34 @@ def summaries(output: str) -> list[dict]:
     return sorted(found, key=lambda s: s.get("rank", 0))
 
 
+def exit_problems(output: str) -> list[str]:
+    """Whether job.sh ended, with status 0: the line the check's batch script prints
+    after it (a job that reached its time limit prints none)."""
+    status = re.findall(r"^job.sh exit status: (\d+)$", output, re.M)
+    if not status:
+        return ["job.sh did not end: it reached the time limit, or was killed"]
+    if status[-1] != "0":
+        return [f"job.sh exited with status {status[-1]}"]
+    return []
+
+
 def problems(
-    output: str, ranks: int, val_samples: int | None, losses_logged: int = 2
+    output: str, ranks: int, val_samples: int | None, nodes: int = 1, losses_logged=2
 ) -> list[str]:
-    """What is wrong with a run's output; an empty list when nothing is. The loss must
-    fall from the first log line to the last, and be logged `losses_logged` times or
-    more: the first and last log lines are one where it is logged once."""
+    """What is wrong with a run's output; an empty list when nothing is.
+
+    The ranks must run on `nodes` nodes, as many on each. The loss must fall from the
+    first log line to the last, and be logged `losses_logged` times or more: the first
+    and last log lines are one where it is logged once.
+    """
     found = summaries(output)
     seen = [s.get("rank", 0) for s in found]
     if seen != list(range(ranks)):
         return [f"summaries from ranks {seen}, expected 0 to {ranks - 1}"]
     wrong = []
+    per_host = Counter(s.get("host") for s in found)
+    if len(per_host) != nodes or len(set(per_host.values())) != 1:
+        wrong.append(f"ranks per node {dict(per_host)}, expected {nodes} alike")
     logged = len(re.findall(r"step \d+ \| loss ", output))
     if "first_loss" in found[0] and logged < losses_logged:
         wrong.append(
@@ -132,9 +172,10 @@ def problems(
 
 def network_problems(output: str, network: str) -> list[str]:
     """With NCCL_DEBUG=INFO, whether the connections between nodes went over
-    `network` (NCCL's name for it: IB, or Socket). "IB" also takes the IBext
-    plugins: NCCL prints `via NET/IBext_v8/...` for them."""
-    used = sorted(set(re.findall(r"via NET/([A-Za-z]+)", output)))
+    `network`, NCCL's name for it as its `via NET/<name>/...` lines print it: IB (for
+    InfiniBand and RoCE), Socket, or a plugin's, such as "AWS Libfabric". "IB" also
+    takes the IBext plugins (`via NET/IBext_v8/...`)."""
+    used = sorted(set(re.findall(r"via NET/([^/\n]+)/", output)))
     if not used:
         return [f"no NCCL line `via NET/{network}`: is NCCL_DEBUG=INFO set?"]
     if any(not name.startswith(network) for name in used):
@@ -142,31 +183,34 @@ def network_problems(output: str, network: str) -> list[str]:
     return []
 
 
-@rfm.simple_test
-class ExampleJob(rfm.RunOnlyRegressionTest):
+class JobSh(rfm.RunOnlyRegressionTest):
     """An example's job.sh, run as a reader runs it, on a short run."""
 
-    example = parameter(EXAMPLES)
     valid_systems = ["*"]
     num_tasks = None  # the tasks are job.sh's own #SBATCH lines
     time_limit = "15m"
     executable = "bash"
+    # The batch script runs no `set -e`: this line follows job.sh whatever its end.
+    postrun_cmds = ['echo "job.sh exit status: $?"']
     tags = {"ddp-guide"}
     # NCCL's name for the network the nodes must use ("IB"); empty: not checked.
     # Set by the partition's extras (site_template.py), or `-S nccl_network=IB`.
     nccl_network = variable(str, value="")
 
     @run_after("init")
-    def use_the_examples_site(self):
-        site = self.example.split("/")[0]
-        # An environment of the site file serves the examples of the sites its
+    def use_the_examples_cluster(self):
+        cluster = self.example.split("/")[0]
+        # An environment of the site file serves the examples of the clusters its
         # "features" name: ddp-generic, ddp-mila, ddp-ibex.
-        self.valid_prog_environs = [f"+ddp-{SITE_OF.get(site, site)}"]
+        self.valid_prog_environs = [f"+ddp-{SITE_OF.get(cluster, cluster)}"]
         self.sourcesdir = str(EXAMPLES_DIR / self.example)
         self.descr = f"examples/{self.example}/job.sh"
-        if self.example == "generic/fabric":
+        # A speed reading needs the nodes to itself: no other job on its GPUs and
+        # network adapters.
+        self.exclusive_access = self.example in TIMED
+        if self.example == FABRIC:
             self.perf_variables = {"busbw": self.busbw()}
-        elif self.example in ("generic/template", "generic/fsdp"):
+        elif self.example in TIMED:
             self.perf_variables = {"samples_per_s_per_gpu": self.samples_per_s()}
         else:  # the steps are lessons: they log no speed
             self.perf_variables = {}
@@ -174,15 +218,16 @@ class ExampleJob(rfm.RunOnlyRegressionTest):
     @property
     def run_settings(self) -> dict:
         site_runs = self.current_partition.extras.get("ddp_runs", {})
-        site = self.example.split("/")[0]
-        for key in (self.example, site):
+        cluster = self.example.split("/")[0]
+        for key in (self.example, cluster):
             if key in site_runs:
                 return site_runs[key]
-        return SHORT_RUNS.get(self.example, SHORT_RUNS[site])
+        return SHORT_RUNS.get(self.example, SHORT_RUNS[cluster])
 
     @run_before("run")
     def submit_job_sh(self):
         text = (EXAMPLES_DIR / self.example / "job.sh").read_text()
+        # After the site's access options: where both set one, job.sh's wins.
         self.job.options += job_sh_options(text)
         # job.sh starts the processes itself (srun, torchrun): the batch script
         # runs it once, as sbatch would.
@@ -199,7 +244,14 @@ class ExampleJob(rfm.RunOnlyRegressionTest):
     @run_before("performance")
     def set_references(self):
         references = self.current_partition.extras.get("ddp_references", {})
-        self.reference = {"*": references.get(self.example, {})}
+        mine = references.get(self.example, {})
+        unknown = set(mine) - set(self.perf_variables)
+        if unknown:
+            raise ValueError(
+                f"ddp_references[{self.example!r}] names {sorted(unknown)}; "
+                f"its speeds are {sorted(self.perf_variables)}"
+            )
+        self.reference = {"*": mine}
 
     def output(self) -> str:
         """The job's stdout and stderr: main.py logs to stderr."""
@@ -213,26 +265,42 @@ class ExampleJob(rfm.RunOnlyRegressionTest):
     @sanity_function
     def every_rank_trained_and_agrees(self):
         settings = self.run_settings
-        ranks = settings.get("ranks") or ranks_asked(
-            (EXAMPLES_DIR / self.example / "job.sh").read_text()
-        )
+        nodes, per_node = asked((EXAMPLES_DIR / self.example / "job.sh").read_text())
         output = self.output()
-        wrong = problems(
-            output, ranks, settings.get("val_samples"), settings.get("losses_logged", 2)
+        wrong = exit_problems(output) + problems(
+            output,
+            settings.get("ranks") or nodes * per_node,
+            settings.get("val_samples"),
+            nodes,
+            settings.get("losses_logged", 2),
         )
-        if self.example == "generic/fabric" and self.nccl_network:
+        if self.example in TIMED and self.example != FABRIC and not self.rates():
+            wrong.append("no log line with samples/s: give the run more steps")
+        if self.example == FABRIC and self.nccl_network:
             wrong += network_problems(output, self.nccl_network)
         if wrong:
             raise SanityError("; ".join(wrong))
         return True
 
+    def rates(self) -> list[str]:
+        return re.findall(r"([\d.]+) samples/s per process", self.output())
+
     @performance_function("samples/s")
     def samples_per_s(self):
         """The last log line's samples/s per process: one process per GPU."""
-        rates = re.findall(r"([\d.]+) samples/s per process", self.output())
-        return float(rates[-1])
+        return float(self.rates()[-1])
 
     @performance_function("GB/s")
     def busbw(self):
         """Rank 0's bus bandwidth at the largest message size."""
         return summaries(self.output())[0]["results"][-1]["busbw_gbps"]
+
+
+@rfm.simple_test
+class ExampleJob(JobSh):
+    example = parameter([name for name in EXAMPLES if name != FABRIC])
+
+
+@rfm.simple_test
+class FabricCheck(JobSh):
+    example = parameter([FABRIC])

@@ -8,47 +8,54 @@ site_configuration = {
         {
             "name": "mycluster",  # EDIT: any name; it heads the report and perf logs
             "descr": "GPU nodes of my cluster",
-            # EDIT: the names of the login nodes you run reframe on, as regular
-            # expressions. ".*" takes any machine.
+            # ReFrame uses this system on machines whose name matches one of these
+            # regular expressions. Keep ".*" unless one file describes several clusters.
             "hostnames": [".*"],
-            # EDIT: "lmod" or "tmod4" where the site has modules, "nomod" otherwise.
-            # The checks load none themselves: job.sh does, as the reader's does.
+            # The checks load no modules: each job.sh loads its own.
             "modules_system": "nomod",
             "partitions": [
                 {
-                    "name": "gpu",  # EDIT: any name
+                    "name": "gpu",  # any name
                     "descr": "nodes with GPUs",
-                    # "slurm" asks sacct for the state of the jobs; "squeue" only asks
-                    # squeue, for a cluster without Slurm's accounting database.
+                    # EDIT: "slurm" asks Slurm's accounting (sacct) for each job's
+                    # state: keep it where `sacct` works on the login node. "squeue"
+                    # asks squeue only, for a cluster without accounting.
                     "scheduler": "slurm",
-                    # job.sh starts its processes itself (srun, torchrun): each check
-                    # runs it with the local launcher, whatever this says.
+                    # ReFrame needs one. job.sh starts its own processes (srun,
+                    # torchrun): the checks run it with "local" whatever this says.
                     "launcher": "local",
-                    # EDIT: #SBATCH lines of the site, added before job.sh's own.
+                    # EDIT: sbatch options every GPU job needs here, without "#SBATCH".
+                    # They come before job.sh's own #SBATCH lines: where both set one
+                    # option, job.sh's wins.
                     "access": ["--partition=gpu", "--account=my-project"],
+                    # The names of the environments below.
                     "environs": ["ddp"],
-                    # How many checks may wait in the queue at once.
+                    # How many check jobs may be queued or running at once.
                     "max_jobs": 4,
                     "extras": {
-                        # EDIT: NCCL's name for the network between the nodes (as
-                        # NCCL_DEBUG=INFO prints it in `via NET/IB/...` lines): the
-                        # fabric check fails where it used another. "" checks nothing.
-                        "ddp_nccl_network": "IB",
-                        # EDIT: per example, the speed below which its check fails:
-                        # (value, lowest fraction below it, highest above, unit). Start
-                        # with the numbers of a first run you trust.
-                        "ddp_references": {
-                            "generic/template": {
-                                "samples_per_s_per_gpu": (1000, -0.1, None, "samples/s")
-                            },
-                            "generic/fabric": {"busbw": (40, -0.2, None, "GB/s")},
-                        },
-                        # Other arguments for an example's short run, with the size
-                        # of the validation set they make, the number of processes
-                        # they start and the fewest times they log the loss
-                        # (checks/examples.py: SHORT_RUNS), for example:
-                        # "ddp_runs": {"generic/fsdp": {"args": [...],
-                        #     "val_samples": 819, "ranks": 8, "losses_logged": 2}},
+                        # EDIT after a first run: NCCL's name for the network between
+                        # the nodes, the word after `via NET/` in the fabric check's
+                        # output (IB for InfiniBand and RoCE). The fabric check then
+                        # fails where NCCL used another. "" checks nothing.
+                        "ddp_nccl_network": "",
+                        # EDIT after a first run: per example, its expected speed, as
+                        # (value, lowest change, highest change, unit). The changes are
+                        # fractions; None is no limit. For example,
+                        # "generic/template": {"samples_per_s_per_gpu":
+                        #     (1000, -0.1, None, "samples/s")}
+                        # fails that check below 900 samples/s per GPU, and
+                        # "generic/fabric": {"busbw": (40, -0.2, None, "GB/s")}
+                        # fails the fabric check below 32 GB/s. {}: speeds are logged,
+                        # never judged.
+                        "ddp_references": {},
+                        # Only where an example's default short run does not suit the
+                        # cluster (checks/examples.py: SHORT_RUNS). Key: an example
+                        # ("generic/fsdp") or a folder ("generic"). "args" replace the
+                        # defaults; "val_samples" is the size of the validation set
+                        # they make (left out: not checked); "ranks", the processes
+                        # they start, where not one per GPU of job.sh; and
+                        # "losses_logged", the fewest log lines with the loss (2).
+                        "ddp_runs": {},
                     },
                 },
             ],
@@ -57,12 +64,12 @@ site_configuration = {
     "environments": [
         {
             "name": "ddp",
-            # The examples this environment serves: ddp-generic for examples/generic
-            # and examples/launchers; ddp-mila and ddp-ibex for those clusters'.
+            # EDIT: the examples to run: ddp-generic for examples/generic and
+            # examples/launchers; add ddp-mila or ddp-ibex on those clusters only.
             "features": ["ddp-generic"],
-            # EDIT: variables the jobs need that the login shell does not set, such
-            # as SCRATCH where job.sh reads it. job.sh activates its own environment.
-            "env_vars": [["OMP_NUM_THREADS", "1"]],
+            # EDIT: variables the jobs need that your login shell does not set, such
+            # as SCRATCH where job.sh reads it. job.sh activates its own Python.
+            "env_vars": [],
         }
     ],
 }

@@ -635,7 +635,9 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
         `command` (reframe, its site file and options), from the project's folder;
         returns each example's job. Everything ReFrame writes goes under `prefix`."""
         report = prefix / "report.json"
-        selection = [f"-nExampleJob%example={name}" for name in names]
+        # ReFrame matches -n against a check's name without spaces:
+        # "ExampleJob%example=generic/multi_node", "FabricCheck%example=generic/fabric".
+        selection = [f"-n%example={name}$" for name in names]
         result = subprocess.run(
             [*command, *selection, "--prefix", str(prefix), "--keep-stage-files",
              "--report-file", str(report)],

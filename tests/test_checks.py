@@ -79,6 +79,10 @@ def summary(rank, **changes):
         ),
         (summary(0) + summary(1, steps=5), ["the ranks disagree"]),
         (
+            summary(0) + summary(1, host="cn1"),
+            ["ranks per node {'cn1': 2}, expected 2 alike"],
+        ),
+        (
             summary(0, world_size=4) + summary(1, world_size=4),
             ["rank 0: world size 4, not 2", "rank 1: world size 4, not 2"],
         ),
@@ -87,7 +91,7 @@ def summary(rank, **changes):
 def test_sanity_names_what_is_wrong(output, expected):
     # Two log lines, but for the case that has one.
     logs = "" if "step 2" in output else LOGGED.format(2) + LOGGED.format(4)
-    found = checks.problems(logs + output, ranks=2, val_samples=25)
+    found = checks.problems(logs + output, ranks=2, val_samples=25, nodes=2)
     assert len(found) == len(expected), found
     for problem, start in zip(found, expected, strict=True):
         assert problem.startswith(start), found
@@ -106,29 +110,50 @@ NCCL = "cn1:1:9 [0] NCCL INFO Channel 00/0 : 4[0] -> 0[0] [receive] via NET/{}/0
             "over ['IB', 'Socket'], not only IB",
         ),
         ("summary: {}\n", "no NCCL line `via NET/IB`: is NCCL_DEBUG=INFO set?"),
+        (NCCL.format("AWS Libfabric"), "over ['AWS Libfabric'], not only IB"),
     ],
 )
 def test_network_sanity_fails_a_job_that_fell_back_to_sockets(lines, expected):
     found = checks.network_problems(lines, "IB")
+    assert checks.network_problems(NCCL.format("AWS Libfabric"), "AWS Libfabric") == []
     assert found == ([] if expected is None else [found[0]])
     assert expected is None or expected in found[0]
 
 
-def test_ranks_asked_are_one_per_gpu_of_every_node():
+def test_nodes_and_ranks_asked_are_one_per_gpu_of_every_node():
     asked = {
-        name: checks.ranks_asked((ROOT / "examples" / name / "job.sh").read_text())
+        name: checks.asked((ROOT / "examples" / name / "job.sh").read_text())
         for name in checks.EXAMPLES
     }
-    assert asked["generic/multi_node"] == 8 and asked["generic/single_gpu"] == 1
-    assert asked["mila/multi_gpu"] == 4 and asked["ibex/multi_node"] == 4
+    assert asked["generic/multi_node"] == (2, 4) and asked["generic/single_gpu"] == (
+        1,
+        1,
+    )
+    assert asked["mila/multi_gpu"] == (1, 4) and asked["ibex/multi_node"] == (2, 2)
 
 
-def test_job_sh_lines_are_kept_but_the_name_and_time_limit():
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        ("job.sh exit status: 0\n", []),
+        ("job.sh exit status: 1\n", ["job.sh exited with status 1"]),
+        (
+            "summary: {}\n",
+            ["job.sh did not end: it reached the time limit, or was killed"],
+        ),
+    ],
+)
+def test_sanity_requires_that_job_sh_ended_well(output, expected):
+    assert checks.exit_problems(output) == expected
+
+
+def test_job_sh_lines_are_kept_but_the_name_time_limit_and_dependency():
     text = (ROOT / "examples/generic/checkpointing/job.sh").read_text()
     kept = checks.job_sh_options(text)
-    assert "#SBATCH --requeue" in kept and "#SBATCH --signal=USR1@120" in kept
-    assert not [line for line in kept if "--job-name" in line or "--time" in line]
-    assert not [line for line in kept if line.startswith("##")]  # the commented ones
+    assert "--requeue" in kept and "--signal=USR1@120" in kept
+    assert "--nodes=2" in kept and "--gpus-per-node=4" in kept
+    assert not [o for o in kept if o.startswith(("--job-name", "--time", "--dep"))]
+    assert not [o for o in kept if "partition" in o]  # job.sh's commented ones
 
 
 def test_the_pages_reframe_is_the_pinned_one(tmp_path):
