@@ -7,7 +7,7 @@ site_configuration = {
     "systems": [
         {
             "name": "mycluster",  # EDIT: any name; it heads the report and perf logs
-            "descr": "GPU nodes of my cluster",
+            "descr": "GPU nodes of my cluster",  # free text, for whoever reads this
             # ReFrame uses this system on machines whose name matches one of these
             # regular expressions. Keep ".*" unless one file describes several clusters.
             "hostnames": [".*"],
@@ -16,7 +16,7 @@ site_configuration = {
             "partitions": [
                 {
                     "name": "gpu",  # any name
-                    "descr": "nodes with GPUs",
+                    "descr": "nodes with GPUs",  # free text
                     # EDIT: "slurm" asks Slurm's accounting (sacct) for each job's
                     # state: keep it where `sacct` works on the login node. "squeue"
                     # asks squeue only, for a cluster without accounting.
@@ -63,7 +63,7 @@ site_configuration = {
     ],
     "environments": [
         {
-            "name": "ddp",
+            "name": "ddp",  # the name that "environs" above lists
             # EDIT: the examples to run: ddp-generic for examples/generic and
             # examples/launchers; add ddp-mila or ddp-ibex on those clusters only.
             "features": ["ddp-generic"],

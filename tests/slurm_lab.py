@@ -644,7 +644,9 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
             cwd=PROJECT, env=self.env(),
             capture_output=True, text=True,
         )  # fmt: skip
-        assert report.exists(), f"reframe ended without a report:\n{result.stdout}"
+        assert report.exists(), (
+            f"reframe ended without a report:\n{result.stdout}{result.stderr}"
+        )
         found = {}
         for case in json.loads(report.read_text())["runs"][0]["testcases"]:
             stage = Path(case["stagedir"])

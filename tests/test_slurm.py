@@ -3,7 +3,8 @@ cluster, must run as on the real site.
 
 The cluster (slurm_lab.py) has two nodes with their own hostnames and IPs; each example
 is submitted with its site's profile (tests/sites/<cluster>/) and its smoke-run
-arguments. A new job.sh under examples/ is picked up here with no edit.
+arguments, by its ReFrame check (checks/examples.py, run by the `jobs` fixture). A new
+job.sh under examples/ is picked up here with no edit.
 """
 
 import csv
