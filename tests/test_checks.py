@@ -250,3 +250,18 @@ def test_each_short_run_parses_and_makes_the_validation_set_it_names(name):
     assert args.synthetic_data
     _, valid, _ = main.make_datasets(args)
     assert len(valid) == run["val_samples"]
+
+
+@pytest.mark.every_version
+def test_of_two_sbatch_lines_for_one_option_the_later_wins(lab, tmp_path):
+    """What the page says of the site's access options, which ReFrame writes before
+    job.sh's #SBATCH lines: where both set an option, job.sh's line wins."""
+    script = tmp_path / "rfm_job.sh"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --time=10:00\n#SBATCH --time=20:00\nhostname\n"
+    )
+    job_id = lab.sbatch(script, site="generic", workdir=tmp_path, options=["--hold"])
+    try:
+        assert lab.job_info(job_id)["TimeLimit"] == "00:20:00"
+    finally:
+        subprocess.run(["scancel", job_id], env=lab.env(), capture_output=True)
