@@ -476,6 +476,21 @@ def numbers(summaries: list[dict]) -> list[dict]:
     return [{k: v for k, v in s.items() if k != "host"} for s in summaries]
 
 
+def newest_checkpoint(folder: Path) -> Path:
+    """The newest checkpoint file that a DDP checkpointing example wrote in `folder`:
+    step-<8 digits>.pt, so that the newest sorts last."""
+    found = sorted(folder.glob("step-*.pt"))
+    assert found, f"no checkpoint in {folder}: {sorted(folder.iterdir())}"
+    return found[-1]
+
+
+def load_checkpoint(folder: Path) -> dict:
+    """The newest checkpoint in `folder`, loaded."""
+    import torch
+
+    return torch.load(newest_checkpoint(folder), map_location="cpu", weights_only=True)
+
+
 def assert_bitwise_equal(a, b, where="checkpoint"):
     """Fails unless `a` and `b`, nested dicts, lists and
     tensors, are equal bit for bit."""

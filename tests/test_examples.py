@@ -240,7 +240,8 @@ def test_every_main_is_a_table_of_contents():
             for node in ast.parse(path.read_text()).body
             if isinstance(node, ast.FunctionDef) and node.name == "main"
         ]
-        assert main.end_lineno - main.lineno + 1 <= 60, f"{name}: main() too long"
+        # About a screen: the calls in order, with the comments that say why.
+        assert main.end_lineno - main.lineno + 1 <= 64, f"{name}: main() too long"
 
 
 @pytest.mark.parametrize("launch", [EXAMPLES["generic/multi_node"],

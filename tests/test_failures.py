@@ -15,13 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from slurm_lab import Lab, job_processes
 from smoke import (
     EXAMPLES,
     EXAMPLES_DIR,
     assert_bitwise_equal,
+    load_checkpoint,
     load_sharded_checkpoint,
+    newest_checkpoint,
     numbers,
     parse_summaries,
     unwrapped,
@@ -52,15 +53,13 @@ LONG_RUN = (
 # its terms. With 3 or more, DDP's first step after every restart adds them up in
 # another order, so a resumed run may differ from an uninterrupted one in the last bits
 # (see the troubleshooting page, and test_concepts.py).
+# Periodic checkpoints every 10 steps, as --checkpoint-every would make every few
+# minutes: the crash test's job resumes from one.
+CHECKPOINT_EVERY_STEPS = 10
 EXACT_RUN = (
-    *SMALL_MODEL,
-    "--epochs",
-    "5",
-    "--synthetic-size",
-    "512",
-    "--batch-size",
-    "8",
-)
+    *SMALL_MODEL, "--epochs", "5", "--synthetic-size", "512", "--batch-size", "8",
+    "--checkpoint-every-steps", str(CHECKPOINT_EVERY_STEPS),
+)  # fmt: skip
 EPOCH_END = "val loss"  # what each example logs once an epoch is over
 ONE_TASK_PER_NODE = ["--ntasks-per-node=1"]
 
@@ -108,8 +107,7 @@ def find_rank(job_id: str, rank: int) -> int | None:
 def checkpoint_of(lab: Lab, workdir: Path) -> dict:
     """The checkpoint that job.sh's CHECKPOINT_DIR holds:
     $SCRATCH/checkpoints/<job name>."""
-    path = lab.state / "scratch" / "checkpoints" / run_name(workdir) / "checkpoint.pt"
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_checkpoint(lab.state / "scratch" / "checkpoints" / run_name(workdir))
 
 
 # ------------------------------------------------------------
@@ -343,6 +341,43 @@ def test_a_cancelled_job_resumes_when_resubmitted(lab, tmp_path, exact_twin):
     )
 
 
+def test_a_crashed_job_resumes_from_its_last_periodic_checkpoint(
+    lab, tmp_path, exact_twin
+):
+    # A node crash, an OOM kill, a GPU error: no signal, no handler, nothing saved at
+    # the end. SIGKILL to every rank of the job at an unplanned step, once a periodic
+    # checkpoint is on disk. Resubmitted, the job resumes from the newest checkpoint
+    # and ends bitwise equal to the twin, which saved at the same steps uninterrupted.
+    name = "generic/checkpointing"
+    workdir = tmp_path / "run"
+    first = submit(lab, name, *EXACT_RUN, workdir=workdir, options=ONE_TASK_PER_NODE)
+    output = workdir / f"slurm-{first}.out"
+    saved = re.compile(r"Saved \S+/step-(\d+)\.pt")
+    wait_until(lambda: saved.search(read(output)), 120, "a periodic checkpoint")
+    time.sleep(random.uniform(0.1, 1.5))
+    ranks = [find_rank(first, rank) for rank in (0, 1)]
+    assert None not in ranks, job_processes(first)
+    for pid in ranks:
+        os.kill(pid, signal.SIGKILL)
+    crashed = lab.wait(first, workdir, timeout=FAIL_FAST)
+    assert crashed.state == "FAILED", crashed.output
+    assert "checkpoint saved" not in crashed.output, crashed.output
+    newest = max(int(step) for step in saved.findall(crashed.output))
+    assert newest % CHECKPOINT_EVERY_STEPS == 0, crashed.output
+
+    again = submit(lab, name, *EXACT_RUN, workdir=workdir, options=ONE_TASK_PER_NODE)
+    resubmitted = lab.wait(again, workdir, timeout=300)
+    uninterrupted, plain = exact_twin()
+    assert resubmitted.ok, resubmitted.output
+    assert uninterrupted.ok, uninterrupted.output
+    assert re.search(rf"Resumed from \S+ at step {newest}\b", resubmitted.output)
+    assert_bitwise_equal(checkpoint_of(lab, workdir), checkpoint_of(lab, plain))
+    assert numbers(parse_summaries(resubmitted.output)) == numbers(
+        parse_summaries(uninterrupted.output)
+    )
+    print(f"killed after the checkpoint of step {newest}: final state bitwise equal")
+
+
 # ------------------------------------------------------------
 # A rank dies
 
@@ -431,7 +466,7 @@ def test_resuming_with_another_task_count_fails_fast(lab, jobs, tmp_path):
     first = jobs(name)
     assert first.ok, first.output
     checkpoints = first.workdir / "checkpoints"
-    assert (checkpoints / "checkpoint.pt").exists()
+    assert newest_checkpoint(checkpoints).exists()
     # The same checkpoints, with 2 tasks instead of job.sh's 2 x 4.
     job_id = submit(
         lab, name, *EXAMPLES[name].args, "--checkpoint-dir", str(checkpoints),

@@ -7,6 +7,7 @@ tests (test_failures.py) do the same through real requeues.
 """
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -14,11 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from smoke import (
     EXAMPLES,
     assert_bitwise_equal,
     descendants,
+    load_checkpoint,
+    newest_checkpoint,
     numbers,
     run_example,
     unwrapped,
@@ -107,10 +109,9 @@ def test_a_stopped_run_resumes_exactly(tmp_path, name):
         rf"Resumed from .+ at step {stops[0]}\b", unwrapped(second.output), re.S
     )
     assert numbers(second.summaries) == numbers(plain.summaries)
-    load = lambda run: torch.load(  # noqa: E731
-        tmp_path / run / "checkpoint.pt", map_location="cpu", weights_only=True
+    assert_bitwise_equal(
+        load_checkpoint(tmp_path / "stopped"), load_checkpoint(tmp_path / "plain")
     )
-    assert_bitwise_equal(load("stopped"), load("plain"))
 
 
 def test_dataloader_workers_leave_the_stop_signals_to_their_rank(tmp_path):
@@ -184,10 +185,9 @@ def test_a_stop_during_validation_saves_at_once_and_validates_on_resumption(tmp_
     assert re.search(r"Resumed from .+ at step 3\b", unwrapped(second.output), re.S)
     assert "Epoch 0: val loss" in unwrapped(second.output)
     assert numbers(second.summaries) == numbers(plain.summaries)
-    load = lambda run: torch.load(  # noqa: E731
-        tmp_path / run / "checkpoint.pt", map_location="cpu", weights_only=True
+    assert_bitwise_equal(
+        load_checkpoint(tmp_path / "stopped"), load_checkpoint(tmp_path / "plain")
     )
-    assert_bitwise_equal(load("stopped"), load("plain"))
 
 
 @pytest.mark.parametrize("name", ["mila/checkpointing", "generic/checkpointing"])
@@ -213,7 +213,7 @@ def test_a_job_that_restarted_too_often_is_not_requeued(tmp_path, name):
     assert "Requeueing job" not in text
     # It stopped as any warned job does, with the checkpoint saved.
     assert text.count("checkpoint saved") == launch.world_size, run.output
-    assert (tmp_path / "checkpoint.pt").exists()
+    assert newest_checkpoint(tmp_path).exists()
 
 
 @pytest.mark.parametrize("name", ["mila/checkpointing", "generic/checkpointing"])
@@ -231,3 +231,36 @@ def test_a_run_with_other_settings_does_not_resume_from_the_checkpoint(tmp_path,
         r"belongs to a run with other settings \(--batch-size \d+ -> 12\)", text
     )
     assert "another --job-name, or delete" in text
+
+
+# Counts each process's calls of torch.distributed's collectives, by group
+# (tests/collectives/sitecustomize.py).
+COUNTING = {"PYTHONPATH": str(Path(__file__).parent / "collectives")}
+
+
+def collectives(output: str) -> list[dict]:
+    found = re.findall(r"^collectives: (\{.*\})$", unwrapped(output), re.M)
+    return [json.loads(line) for line in found]
+
+
+@pytest.mark.parametrize("name", ["generic/checkpointing", "generic/template"])
+def test_the_stop_agreement_adds_no_collective_to_the_default_group(tmp_path, name):
+    # On GPUs the default group is NCCL's, and its collectives on GPU tensors: one per
+    # step, read back on the CPU, would make the CPU wait for the GPU at every step.
+    # Twice the steps, in one epoch with no log line but its last: the same count of
+    # collectives on the default group, and one more of the agreement's own, CPU-only
+    # group per step.
+    launch, counted = EXAMPLES[name], {}
+    for steps in (4, 8):
+        args = (*ARGS[name], "--epochs", "1", "--max-steps", str(steps),
+                "--log-every", "100")  # fmt: skip
+        env = {**COUNTING, "CHECKPOINT_DIR": str(tmp_path / str(steps))}
+        run = run_example(name, launch, args, env=env)
+        assert run.ok, run.output
+        counted[steps] = collectives(run.output)
+        assert len(counted[steps]) == launch.world_size, run.output
+    for fewer, more in zip(counted[4], counted[8], strict=True):
+        default = {k: v for k, v in fewer.items() if k.startswith("default:")}
+        assert default == {k: v for k, v in more.items() if k.startswith("default:")}
+        assert more["own:all_reduce"] - fewer["own:all_reduce"] == 8 - 4
+        assert fewer["own_devices"] == more["own_devices"] == ["cpu"]

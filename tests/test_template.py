@@ -24,6 +24,7 @@ from smoke import (
     assert_bitwise_equal,
     base_env,
     check_run,
+    load_checkpoint,
     load_main,
     numbers,
     run_example,
@@ -52,7 +53,6 @@ def process_group():
 def test_accumulated_micro_batches_give_the_whole_batchs_gradients_with_one_all_reduce(
     example, process_group
 ):
-    import torch
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
@@ -97,7 +97,6 @@ def test_accumulated_micro_batches_give_the_whole_batchs_gradients_with_one_all_
 
 
 def test_learning_rate_warms_up_linearly_then_decays_to_zero(example):
-    import torch
 
     args = example.parse_args(["--warmup-steps", "4", "--epochs", "3"])
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
@@ -115,7 +114,6 @@ def test_learning_rate_warms_up_linearly_then_decays_to_zero(example):
 
 
 def test_bf16_is_refused_where_it_cannot_run(example):
-    import torch
 
     args = example.parse_args(["--bf16"])
     with pytest.raises(SystemExit, match="needs a GPU of compute capability 8.0"):
@@ -291,10 +289,9 @@ def test_a_model_of_another_kind_needs_only_the_readers_section(tmp_path):
     resumed = run("stopped")
     assert "Resumed from" in unwrapped(resumed.output), resumed.output
     assert numbers(resumed.summaries) == numbers(plain.summaries)
-    load = lambda run: torch.load(  # noqa: E731
-        tmp_path / run / "checkpoint.pt", map_location="cpu", weights_only=True
+    assert_bitwise_equal(
+        load_checkpoint(tmp_path / "stopped"), load_checkpoint(tmp_path / "plain")
     )
-    assert_bitwise_equal(load("stopped"), load("plain"))
 
 
 def test_the_variables_that_setup_sets_do_not_outlive_their_test():

@@ -1,10 +1,13 @@
-"""Step 4: checkpoints, so that a run outlives preemption and time limits.
+"""Step 4: checkpoints, so that a run outlives preemption, time limits and crashes.
 
-Over step 3: rank 0 saves a checkpoint atomically after every epoch, and when Slurm
-asks the job to stop: SIGUSR1 before the time limit (job.sh asks for it), SIGTERM at
-preemption or `scancel`. All ranks stop after the same step, and after SIGUSR1 the job
-requeues itself. A job that starts again under the same job name resumes exactly,
-part-way through an epoch if need be. DataLoader workers are kept from the signals.
+Over step 3: rank 0 saves a checkpoint atomically every --checkpoint-every minutes,
+after every epoch, and when Slurm asks the job to stop: SIGUSR1 before the time limit
+(job.sh asks for it), SIGTERM at preemption or `scancel`. The newest two are kept. All
+ranks stop, or save, after the same step, agreed without making the GPU wait, and after
+SIGUSR1 the job requeues itself. A job that starts again under the same job name
+resumes exactly from the newest checkpoint, part-way through an epoch if need be: after
+a crash, which sends no signal, it loses the steps since that checkpoint. DataLoader
+workers are kept from the signals.
 
 Try the job before the data is in place:
 `sbatch --job-name=trial job.sh --synthetic-data --max-steps 50`.
@@ -21,10 +24,12 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import re
 import signal
 import socket
 import subprocess
 import threading
+import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -190,10 +195,12 @@ def main():
     progress, train_log = Progress(), TrainLog(device)
     checkpoint = Checkpoint(args)
     checkpoint.load(model.module, optimizer, scheduler, progress, train_log)
-    catch_stop_signals()
-    stopped_by = train(
-        args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint
-    )
+    # From here on there is progress to lose: on SIGUSR1 or SIGTERM, stop and save.
+    with Agreement(args.checkpoint_every) as agreement:
+        stopped_by = train(
+            args, model, optimizer, scheduler, loaders, progress, train_log,
+            checkpoint, agreement,
+        )  # fmt: skip
     if stopped_by:
         log.warning(f"Stopped at step {progress.steps}, checkpoint saved")
         # SIGUSR1 warns of the time limit: requeue. After SIGTERM, Slurm is ending the
@@ -263,6 +270,24 @@ def parse_args(argv=None):
         type=Path,
         default=Path(os.environ.get("CHECKPOINT_DIR", "checkpoints")),
         help="storage that outlives the job (default: $CHECKPOINT_DIR, from job.sh)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=30,
+        help="minutes of training between checkpoints: what a crash can lose",
+    )
+    parser.add_argument(
+        "--checkpoint-every-steps",
+        type=positive,
+        default=None,
+        help="also save every this many steps (a run that must save at set steps)",
+    )
+    parser.add_argument(
+        "--keep-checkpoints",
+        type=positive,
+        default=2,
+        help="the newest checkpoints kept; older ones are deleted",
     )
     parser.add_argument(
         "--max-restarts",
@@ -359,9 +384,13 @@ def make_scheduler(args, optimizer, steps_per_epoch: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train(args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint):
-    """Trains for --epochs, or --max-steps, and validates after every epoch; returns 0,
-    or the signal that stopped it before, once the checkpoint is saved."""
+def train(
+    args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint,
+    agreement,
+):  # fmt: skip
+    """Trains for --epochs, or --max-steps, and validates after every epoch, with a
+    checkpoint every --checkpoint-every minutes and at each epoch's end; returns 0, or
+    the signal that stopped it before, once the checkpoint is saved."""
     train_loader, valid_loader = loaders
     device = next(model.parameters()).device
     max_steps = math.inf if args.max_steps is None else args.max_steps
@@ -386,16 +415,21 @@ def train(args, model, optimizer, scheduler, loaders, progress, train_log, check
             train_log.add(loss)
             if progress.steps % args.log_every == 0:
                 log_line(progress, train_log, scheduler)
-            if stop := agree_to_stop(device):
+            # A save every --checkpoint-every minutes: a crash, which sends no signal,
+            # loses the steps since the last one only.
+            stop, save = agreement.poll()
+            if stop or save or checkpoint.due(progress.steps):
                 checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
+                agreement.saved()
+            if stop:
                 return stop
         if train_log.steps:  # the steps since the last line, at the epoch's end
             log_line(progress, train_log, scheduler)
         log.info(f"Epoch {progress.epoch}: validation")
-        results = validate(model.module, valid_loader, device)
+        results = validate(model.module, valid_loader, device, agreement)
         if results is None:  # a stop during validation: the next run validates
             checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
-            return agree_to_stop(device)
+            return agreement.stop
         for name, value in results.items():
             setattr(progress, name, value)
         log.info(
@@ -405,6 +439,7 @@ def train(args, model, optimizer, scheduler, loaders, progress, train_log, check
         progress.epoch += 1
         progress.batches = 0
         checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
+        agreement.saved()
     return 0
 
 
@@ -444,7 +479,7 @@ def log_line(progress: Progress, train_log: TrainLog, scheduler):
 
 
 @torch.no_grad()
-def validate(model: nn.Module, loader: DataLoader, device: torch.device):
+def validate(model: nn.Module, loader: DataLoader, device: torch.device, agreement):
     """The mean loss and accuracy over every validation sample, and their count; or
     None if a rank was told to stop: all check after each batch that all shards have."""
     shard = len(loader.dataset.dataset) // dist.get_world_size()  # the smallest one
@@ -464,7 +499,7 @@ def validate(model: nn.Module, loader: DataLoader, device: torch.device):
         sums[0] += loss_fn(output, target).double() * n
         sums[1] += correct(output, target)
         sums[2] += n
-        if i < stop_checks and agree_to_stop(device):
+        if i < stop_checks and agreement.poll()[0]:
             return None
     # Each process saw its own shard: add the sums up, and every process has them.
     dist.all_reduce(sums)
@@ -489,11 +524,50 @@ def catch_stop_signals():
     signal.signal(signal.SIGTERM, note_stop_signal)
 
 
-def agree_to_stop(device: torch.device) -> int:
-    """The stop signal that any rank received, or 0. All ranks get the same answer."""
-    flag = torch.tensor([stop_signal], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag)
+class Agreement:
+    """What all ranks decide together between two steps: to stop, on a signal that any
+    rank got, or to save, once any rank's clock says that a checkpoint is due.
+
+    Without making the GPU wait: the flags are CPU tensors, summed up over a gloo group
+    of their own, sent at one call and read at the next. The CPU queues the GPU's next
+    steps meanwhile. Each decision lands one step after it was sent, at the same step on
+    every rank: every rank makes the same calls in the same order.
+    """
+
+    def __init__(self, save_every_minutes: float):
+        catch_stop_signals()
+        self.group = dist.new_group(backend="gloo")
+        self.save_every = save_every_minutes * 60
+        self.sent, self.flags = None, None
+        self.stop = 0  # the signal the last decision stopped for, or 0
+        self.saved()
+
+    def poll(self) -> tuple[int, bool]:
+        """The decision sent at the previous call: the stop signal, or 0, and whether
+        to save. Sends this rank's flags for the next."""
+        stop, save = 0, False
+        if self.sent is not None:
+            self.sent.wait()
+            stop, save = int(self.flags[0]), bool(self.flags[1])
+        due = time.monotonic() - self.last_save >= self.save_every
+        self.flags = torch.tensor([stop_signal, due])
+        self.sent = dist.all_reduce(
+            self.flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True
+        )
+        self.stop = stop
+        return stop, save
+
+    def saved(self):
+        """Restarts the clock: all ranks call it after the same save."""
+        self.last_save = time.monotonic()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        """Waits for the last flags sent: no collective is left under way."""
+        if self.sent is not None and exc[0] is None:
+            self.sent.wait()
 
 
 def start_fork_server():
@@ -533,14 +607,21 @@ SETTINGS = (
 
 
 class Checkpoint:
-    """The run's checkpoint: one file with all it takes to continue exactly."""
+    """The run's checkpoints: files named by their step, each with all it takes to
+    continue exactly. The newest --keep-checkpoints are kept."""
 
     def __init__(self, args):
-        self.path = args.checkpoint_dir / "checkpoint.pt"
+        self.root = args.checkpoint_dir
+        self.keep = args.keep_checkpoints
+        self.every_steps = args.checkpoint_every_steps
         self.settings = {name: getattr(args, name) for name in SETTINGS}
 
+    def due(self, steps: int) -> bool:
+        """Whether --checkpoint-every-steps asks for a save after `steps` steps."""
+        return self.every_steps is not None and steps % self.every_steps == 0
+
     def save(self, model, optimizer, scheduler, progress, train_log):
-        """Writes the checkpoint, with each rank's random state and unlogged losses."""
+        """Writes a checkpoint, with each rank's random state and unlogged losses."""
         mine = {"cpu_rng": torch.get_rng_state(), "losses": train_log.total.cpu()}
         mine["losses_steps"] = train_log.steps
         if use_gpus():
@@ -548,6 +629,7 @@ class Checkpoint:
         ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, ranks, dst=0)
         if dist.get_rank() == 0:
+            begin = time.perf_counter()
             state = {
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -556,18 +638,29 @@ class Checkpoint:
                 "settings": self.settings,
                 "ranks": ranks,
             }
-            save_atomically(state, self.path)
+            path = self.root / f"step-{progress.steps:08d}.pt"
+            save_atomically(state, path)
+            # Only now, with the new one on disk, the oldest go.
+            for older in checkpoints(self.root)[: -self.keep]:
+                older.unlink()
+            log.info(f"Saved {path} in {time.perf_counter() - begin:.1f} s")
         # No rank goes on, or exits, before the file is complete.
         dist.barrier()
 
     def load(self, model, optimizer, scheduler, progress, train_log):
-        """Restores the checkpoint, if there is one, with this rank's own state."""
-        if not self.path.exists():
+        """Restores the newest checkpoint, if any, with this rank's own state."""
+        # Rank 0 chooses, for all: on a network file system, nodes can list a folder
+        # differently for a while.
+        chosen = [latest_checkpoint(self.root) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)
+        if (path := chosen[0]) is None:
             return
-        # weights_only: tensors and plain containers only. A
-        # full unpickler would run whatever code the file names.
-        state = torch.load(self.path, map_location="cpu", weights_only=True)
-        self.check(state)
+        begin = time.perf_counter()
+        # weights_only: tensors and plain containers only. A full unpickler would run
+        # whatever code the file names. mmap: tensors are read from the file as they
+        # are copied in, not into a copy of the whole checkpoint per process first.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        self.check(state, path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -578,14 +671,15 @@ class Checkpoint:
             torch.cuda.set_rng_state(mine["cuda_rng"])
         train_log.total.copy_(mine["losses"])
         train_log.steps = mine["losses_steps"]
-        log.info(f"Resumed from {self.path} at step {progress.steps}")
+        seconds = time.perf_counter() - begin
+        log.info(f"Resumed from {path} at step {progress.steps}, in {seconds:.1f} s")
 
-    def check(self, state: dict):
+    def check(self, state: dict, path: Path):
         """Stops with the cause when the checkpoint belongs to another run."""
         written_by, world_size = len(state["ranks"]), dist.get_world_size()
         if written_by != world_size:
             raise SystemExit(
-                f"error: {self.path} was written by {written_by} processes, and this "
+                f"error: {path} was written by {written_by} processes, and this "
                 f"job has {world_size}. Resume with the same number of tasks, or give "
                 "a new --checkpoint-dir to start over."
             )
@@ -596,10 +690,25 @@ class Checkpoint:
                 if state["settings"].get(name) != value
             )
             raise SystemExit(
-                f"error: {self.path} belongs to a run with other settings ({changes}). "
+                f"error: {path} belongs to a run with other settings ({changes}). "
                 "Resume with the same settings, or start a new run: another "
-                f"--job-name, or delete {self.path.parent}."
+                f"--job-name, or delete {self.root}."
             )
+
+
+# A complete checkpoint's name. One being written ends in ".tmp".
+CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints in `root`, oldest first."""
+    found = [p for p in root.glob("step-*.pt") if CHECKPOINT_NAME.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(CHECKPOINT_NAME.fullmatch(p.name)[1]))
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = checkpoints(root)
+    return found[-1] if found else None
 
 
 def save_atomically(state: dict, path: Path):
