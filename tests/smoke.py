@@ -514,16 +514,19 @@ def assert_bitwise_equal(a, b, where="checkpoint"):
 
 
 def load_sharded_checkpoint(checkpoint_dir: Path) -> dict:
-    """The one complete checkpoint of the FSDP2 example in
+    """The newest complete checkpoint of the FSDP2 example in
     `checkpoint_dir`, as whole tensors.
 
-    Each save deletes the checkpoints before it; a folder ending in .tmp is an
-    unfinished one. DCP's own converter gathers the shards, without a process group.
+    Folders are named by epoch and step, so that the newest sorts last; a folder ending
+    in .tmp is an unfinished one. DCP's own converter gathers the shards, without a
+    process group.
     """
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    [folder] = [p for p in checkpoint_dir.iterdir() if not p.name.endswith(".tmp")]
+    folder = sorted(p for p in checkpoint_dir.iterdir() if not p.name.endswith(".tmp"))[
+        -1
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         whole = Path(tmp) / "whole.pt"
         dcp_to_torch_save(folder, whole)

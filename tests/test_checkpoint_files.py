@@ -82,13 +82,58 @@ def test_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, name):
     assert version_of(torch.load(path, weights_only=True)) == 3
 
 
-# The FSDP2 step writes a folder, with a shard per rank, under a temporary name; here,
-# in a group of one process, a folder per version under `path`.
+# Each DDP checkpointing program's own Checkpoint.save, in a group of one process: a
+# model whose weights are `version`, saved as step `version` into the folder `path`,
+# the newest 2 kept. The object that stalls is in the scheduler's state.
+CHECKPOINT_SAVE = (
+    "import types\n"
+    'dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)\n'
+    'args = main.parse_args(["--checkpoint-dir", str(path), "--keep-checkpoints"]\n'
+    '                       + ["2"])\n'
+    "model = torch.nn.Linear(4, 4)\n"
+    "torch.nn.init.constant_(model.weight, version)\n"
+    "optimizer = torch.optim.AdamW(model.parameters())\n"
+    "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)\n"
+    "scheduler.extra = extra\n"
+    "train_log = types.SimpleNamespace(total=torch.zeros(()), steps=0)\n"
+    "main.Checkpoint(args).save(\n"
+    "    model, optimizer, scheduler, main.Progress(steps=version), train_log\n"
+    ")\n"
+    "dist.destroy_process_group()"
+)
+
+
+@pytest.mark.parametrize("name", [*SAVES, "generic/template"])
+def test_killed_mid_save_keeps_the_newest_checkpoints(tmp_path, name):
+    main = load_main(name)
+    for version in (1, 2):
+        save(name, "import types\n" + CHECKPOINT_SAVE, tmp_path, version)
+    save(name, "import types\n" + CHECKPOINT_SAVE, tmp_path, 3, stall=True)
+    # The killed save left its .tmp file; the two before are whole, the newest is 2.
+    assert (tmp_path / "step-00000003.pt.tmp").exists()
+    assert [p.name for p in main.checkpoints(tmp_path)] == [
+        "step-00000001.pt", "step-00000002.pt",
+    ]  # fmt: skip
+    newest = torch.load(main.latest_checkpoint(tmp_path), weights_only=True)
+    assert torch.equal(newest["model"]["weight"], torch.full((4, 4), 2.0))
+    # The next save replaces the leftover and deletes the oldest: two are kept.
+    save(name, "import types\n" + CHECKPOINT_SAVE, tmp_path, 4)
+    assert [p.name for p in main.checkpoints(tmp_path)] == [
+        "step-00000002.pt", "step-00000004.pt",
+    ]  # fmt: skip
+
+
+# The FSDP2 step writes a folder, with a shard per rank, under a temporary name, and
+# renames it once complete; here, in a group of one process, a folder per version under
+# `path`, the newest 2 kept. The object that stalls is in progress.pt, which rank 0
+# writes last, once the shards are on disk.
 SHARDED_SAVE = (
     'dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)\n'
-    'state = {"weights": torch.full((1000,), float(version)), "extra": extra}\n'
+    'group = dist.new_group(backend="gloo")\n'
+    'state = {"weights": torch.full((1000,), float(version))}\n'
     'folder = path / f"epoch-0000-step-{version:08d}"\n'
-    'main.save_checkpoint(folder, state, {"version": version})\n'
+    "main.start_checkpoint(folder, state, group).result()\n"
+    'main.finish_checkpoint(folder, {"version": version, "extra": extra}, 2, group)\n'
     "dist.destroy_process_group()"
 )
 
@@ -107,20 +152,25 @@ def test_killed_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path):
     name = "generic/fsdp"
     fsdp = load_main(name)
     save(name, SHARDED_SAVE, tmp_path, version=1)
-    save(name, SHARDED_SAVE, tmp_path, version=2, stall=True)
-    # The half-written checkpoint is there, under its temporary name; the latest
-    # complete one is the one before, whole.
-    assert (tmp_path / "epoch-0000-step-00000002.tmp").is_dir()
+    save(name, SHARDED_SAVE, tmp_path, version=2)
+    save(name, SHARDED_SAVE, tmp_path, version=3, stall=True)
+    # The half-written checkpoint is there, under its temporary name; the newest
+    # complete one is the one before, whole, and the one before it is kept too.
+    assert (tmp_path / "epoch-0000-step-00000003.tmp").is_dir()
+    assert [p.name for p in fsdp.checkpoints(tmp_path)] == [
+        "epoch-0000-step-00000001", "epoch-0000-step-00000002",
+    ]  # fmt: skip
     latest = fsdp.latest_checkpoint(tmp_path)
-    assert latest == tmp_path / "epoch-0000-step-00000001"
     fsdp.check_complete(latest)
-    assert torch.equal(sharded_weights(latest), torch.full((1000,), 1.0))
-    # The next save goes through, clears what the killed
-    # one left, and replaces the old one.
-    save(name, SHARDED_SAVE, tmp_path, version=3)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-0000-step-00000003"]
+    assert torch.equal(sharded_weights(latest), torch.full((1000,), 2.0))
+    # The next save goes through, clears what the killed one left, and deletes the
+    # oldest: two are kept.
+    save(name, SHARDED_SAVE, tmp_path, version=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch-0000-step-00000002", "epoch-0000-step-00000004",
+    ]  # fmt: skip
     assert torch.equal(
-        sharded_weights(fsdp.latest_checkpoint(tmp_path)), torch.full((1000,), 3.0)
+        sharded_weights(fsdp.latest_checkpoint(tmp_path)), torch.full((1000,), 4.0)
     )
 
 

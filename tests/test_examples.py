@@ -201,6 +201,10 @@ PLUMBING_NAMES = [
 STRUCTURED = list(EXAMPLES)
 
 
+def main_source(name: str) -> str:
+    return (EXAMPLES_DIR / name / "main.py").read_text()
+
+
 def plumbing(name: str) -> dict[str, str]:
     """The source of each definition in the example's plumbing section, by name."""
     source = (EXAMPLES_DIR / name / "main.py").read_text()
@@ -220,6 +224,33 @@ def test_the_plumbing_is_the_same_in_every_example():
     for name in STRUCTURED:
         # Byte for byte: a fix in one copy must reach every other.
         assert plumbing(name) == reference, f"{name}: its plumbing differs"
+
+
+# The checkpointing programs' own parts that must not drift apart: how the ranks agree
+# to stop or save, and how a stop signal is noted.
+CHECKPOINTING = [name for name in STRUCTURED if "class Checkpoint" in main_source(name)]
+SHARED_BY_CHECKPOINTING = [
+    "Agreement", "note_stop_signal", "catch_stop_signals", "start_fork_server",
+    "ResumableSampler", "save_atomically", "requeue",
+]  # fmt: skip
+
+
+def definitions(name: str) -> dict[str, str]:
+    source = main_source(name)
+    return {
+        node.name: ast.get_source_segment(source, node)
+        for node in ast.parse(source).body
+        if isinstance(node, ast.FunctionDef | ast.ClassDef)
+    }
+
+
+def test_the_checkpointing_programs_stop_and_save_the_same_way():
+    assert len(CHECKPOINTING) == 4, CHECKPOINTING
+    reference = definitions("generic/checkpointing")
+    for name in CHECKPOINTING:
+        mine = definitions(name)
+        for part in SHARED_BY_CHECKPOINTING:
+            assert mine[part] == reference[part], f"{name}: its {part} differs"
 
 
 def test_setup_gives_one_named_tuple_in_one_order():

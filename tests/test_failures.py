@@ -268,8 +268,10 @@ def test_a_warned_fsdp_job_requeues_itself_and_resumes_exactly(lab, tmp_path):
     # loads the shards back. Warned with SIGUSR1, as --signal=USR1@120
     # warns before the time limit, rank 0 requeues the job itself.
     name = "generic/fsdp"
-    # 2 epochs of 30 steps, stopped after one of the first 15: well before the end.
-    args = (*EXAMPLES[name].args, "--synthetic-size", "360", "--log-every", "1")
+    # 2 epochs of 30 steps, stopped after one of the first 15: well before the end;
+    # micro-batches of 6, and a checkpoint written in the background every 4 steps.
+    args = (*EXAMPLES[name].args, "--synthetic-size", "360", "--log-every", "1",
+            "--micro-batch-size", "6", "--checkpoint-every-steps", "4")  # fmt: skip
     options = ONE_TASK_PER_NODE
     plain = submit(lab, name, *args, workdir=tmp_path / "plain", options=options)
     job = submit(lab, name, *args, workdir=tmp_path / "warned", options=options)
@@ -287,7 +289,7 @@ def test_a_warned_fsdp_job_requeues_itself_and_resumes_exactly(lab, tmp_path):
     )
     assert len(stops) == 2 and len(set(stops)) == 1, warned.output
     assert "Requeueing job" in warned.output
-    assert re.search(rf"Resumed from \S+ at step {stops[0]}\n", warned.output), (
+    assert re.search(rf"Resumed from \S+ at step {stops[0]}, in ", warned.output), (
         warned.output
     )
     scratch = lab.state / "scratch" / "checkpoints"

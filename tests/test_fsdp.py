@@ -22,12 +22,14 @@ import torch
 from smoke import (
     EXAMPLES,
     Launch,
+    assert_bitwise_equal,
     base_env,
     check_run,
     decode_records,
     free_port,
     load_main,
     load_sharded_checkpoint,
+    numbers,
     run_example,
     srun_env,
     wait_all,
@@ -129,8 +131,11 @@ def test_gradients_summed_instead_of_averaged_are_caught(tmp_path, single_proces
 
 
 # Long enough to be stopped in the middle: 2 epochs of 30 steps, the loss logged every
-# step. The stop comes after one of the first 15, well before the end.
-LONG_ARGS = (*ARGS, "--synthetic-size", "360", "--log-every", "1")
+# step. The stop comes after one of the first 15, well before the end. Micro-batches of
+# 4 sequences: 3 per step on 2 processes, 2 on 3. A checkpoint every 5 steps, written in
+# the background.
+LONG_ARGS = (*ARGS, "--synthetic-size", "360", "--log-every", "1",
+             "--micro-batch-size", "4", "--checkpoint-every-steps", "5")  # fmt: skip
 
 
 def step_losses(output: str) -> dict[int, float]:
@@ -153,17 +158,19 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory):
-    """A run on 2 processes stopped at a random step, then resumed on 3: the step, the
-    resumed run, and the folder of its checkpoints."""
+    """A run on 3 processes stopped at a random step, then resumed on 2, as a job that
+    lost a node: the step, the resumed run, and the folder of its checkpoints."""
     checkpoints = tmp_path_factory.mktemp("resharded")
     env = {"CHECKPOINT_DIR": str(checkpoints)}
     stopped = run_example(
-        NAME, layout(2), LONG_ARGS, env=env, while_running=stop_after_a_random_step
+        NAME, layout(3), LONG_ARGS, env=env, while_running=stop_after_a_random_step
     )
     assert stopped.ok, stopped.output
+    assert "Global batch: 4 x 2 micro-batches x 3 processes = 24" in stopped.output
     stops = re.findall(r"Stopped at step (\d+), checkpoint saved", stopped.output)
-    assert len(stops) == 2 and len(set(stops)) == 1, stopped.output
-    resumed = run_example(NAME, layout(3), LONG_ARGS, env=env)
+    assert len(stops) == 3 and len(set(stops)) == 1, stopped.output
+    resumed = run_example(NAME, layout(2), LONG_ARGS, env=env)
+    assert "Global batch: 4 x 3 micro-batches x 2 processes = 24" in resumed.output
     assert resumed.ok, resumed.output
     return int(stops[0]), resumed, checkpoints
 
@@ -204,7 +211,7 @@ def full_model():
         )
 
 
-def test_a_checkpoint_of_2_processes_resumes_on_3(uninterrupted, resharded):
+def test_a_checkpoint_of_3_processes_resumes_on_2(uninterrupted, resharded):
     # DCP reshards on loading, and the global batches do not depend on
     # the number of processes: training goes on as on 2 processes, up
     # to the order of float32 sums. (Exact resumption on the same
@@ -212,7 +219,7 @@ def test_a_checkpoint_of_2_processes_resumes_on_3(uninterrupted, resharded):
     # have 4 decimals; the summaries' last loss and validation are whole floats.
     plain, plain_checkpoints = uninterrupted
     step, resumed, checkpoints = resharded
-    assert f"at step {step}, resharded from 2 processes" in resumed.output, (
+    assert f"at step {step}, resharded from 3 processes" in resumed.output, (
         resumed.output
     )
     expected, got = step_losses(plain.output), step_losses(resumed.output)
@@ -230,7 +237,42 @@ def test_a_checkpoint_of_2_processes_resumes_on_3(uninterrupted, resharded):
         for k in mine["model"]
     )
     assert weights <= 1e-5, f"weights differ by {weights:.2e}"
-    print(f"2 -> 3 at step {step}: losses within {worst:.1e}, weights {weights:.1e}")
+    print(f"3 -> 2 at step {step}: losses within {worst:.1e}, weights {weights:.1e}")
+
+
+def test_a_killed_run_resumes_from_its_last_periodic_checkpoint(
+    tmp_path, uninterrupted
+):
+    # SIGKILL to every rank, as a node crash or an OOM kill ends a job: no signal to
+    # catch, no save at the end. Killed at an unplanned step once a checkpoint written
+    # in the background is complete, the run resumes from the newest one, and ends
+    # bitwise equal to the uninterrupted run, which saved at the same steps.
+    def kill_every_rank(procs, logs: list[Path]):
+        deadline = time.monotonic() + 120
+        while "Saved " not in logs[0].read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(random.uniform(0.0, 0.5))
+        for proc in procs:
+            proc.send_signal(signal.SIGKILL)
+
+    env = {"CHECKPOINT_DIR": str(tmp_path)}
+    killed = run_example(
+        NAME, layout(2), LONG_ARGS, env=env, while_running=kill_every_rank
+    )
+    assert killed.returncodes == [-signal.SIGKILL] * 2, killed.output
+    assert "checkpoint saved" not in killed.output
+    newest = load_main(NAME).latest_checkpoint(tmp_path)
+    step = int(newest.name.split("-")[-1])
+    assert step > 0 and step % 5 == 0, newest
+    resumed = run_example(NAME, layout(2), LONG_ARGS, env=env)
+    assert resumed.ok, resumed.output
+    assert f"Resumed from {newest} at step {step}, in " in resumed.output
+    plain, plain_checkpoints = uninterrupted
+    assert_bitwise_equal(
+        load_sharded_checkpoint(tmp_path), load_sharded_checkpoint(plain_checkpoints)
+    )
+    assert numbers(resumed.summaries) == numbers(plain.summaries)
+    print(f"killed after the checkpoint of step {step}: final state bitwise equal")
 
 
 def run_fails(
@@ -252,14 +294,15 @@ def run_fails(
         (
             ("--global-batch-size", "13"),
             2,
-            "--global-batch-size 13 does not divide among 2",
+            "--global-batch-size 13 does not divide among 2 processes. Choose a "
+            "multiple of 2",
         ),
         (("--global-batch-size", "200"), 2, "is more than the 192 sequences"),
         (
-            ("--global-batch-size", "12", "--accumulation-steps", "4"),
+            ("--global-batch-size", "12", "--micro-batch-size", "4"),
             2,
-            "does not divide among 2 processes x 4 accumulation steps. Choose a "
-            "multiple of 8",
+            "--micro-batch-size 4 does not divide the 6 sequences that each of 2 "
+            "processes takes of --global-batch-size 12. Choose a divisor of 6.",
         ),
         (("--synthetic-size", "10"), 2, "--global-batch-size 24 is more than the 10"),
     ],
@@ -286,7 +329,7 @@ def test_a_checkpoint_missing_a_shard_is_refused(tmp_path, uninterrupted):
     _, checkpoints = uninterrupted
     copy = tmp_path / "copy"
     shutil.copytree(checkpoints, copy)
-    [folder] = copy.iterdir()
+    folder = max(copy.iterdir())  # the newest, which the run would resume from
     (folder / "__1_0.distcp").unlink()
     output = run_fails(tmp_path, "--synthetic-size", "360", checkpoints=copy)
     assert f"the checkpoint {folder} lacks __1_0.distcp" in output

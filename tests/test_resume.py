@@ -45,6 +45,8 @@ ARGS = {
         "--accumulation-steps", "2", "--epochs", "2", "--warmup-steps", "10",
         "--log-every", "5", "--num-workers", "1",
     ),
+    # FSDP2: a transformer, sharded, with micro-batches.
+    "generic/fsdp": (*EXAMPLES["generic/fsdp"].args, "--micro-batch-size", "6"),
 }  # fmt: skip
 # A line that each example prints once training has begun.
 TRAINING = {
@@ -243,7 +245,9 @@ def collectives(output: str) -> list[dict]:
     return [json.loads(line) for line in found]
 
 
-@pytest.mark.parametrize("name", ["generic/checkpointing", "generic/template"])
+@pytest.mark.parametrize(
+    "name", ["generic/checkpointing", "generic/template", "generic/fsdp"]
+)
 def test_the_stop_agreement_adds_no_collective_to_the_default_group(tmp_path, name):
     # On GPUs the default group is NCCL's, and its collectives on GPU tensors: one per
     # step, read back on the CPU, would make the CPU wait for the GPU at every step.

@@ -4,16 +4,21 @@ all processes instead of copied whole to each.
 Over step 5:
 - the model is a small decoder-only transformer language model, its sizes set by flags,
   trained on files of token ids (train.bin and val.bin) or on synthetic sequences;
-- fully_shard() splits each block, then the rest of the model, over all processes. Each
-  keeps 1/world_size of the parameters, gradients and optimizer state, and gathers one
-  block's parameters at a time to compute with;
+- fully_shard() splits the embeddings, each block, and the last norm with the output
+  layer over all processes. Each keeps 1/world_size of the parameters, gradients and
+  optimizer state, and gathers one unit's parameters at a time to compute with;
 - the model is created on the meta device, without memory, and filled in one parameter
   at a time: no process ever holds the whole model;
 - with bf16, the parameters are gathered in bf16, and the gradients reduced in float32;
 - --global-batch-size fixes the batch of a step over all processes, so that a
-  checkpoint resumes on another number of processes, on the same batches;
+  checkpoint resumes on another number of processes, on the same batches; each process
+  takes its share in micro-batches of --micro-batch-size, so that its memory does not
+  depend on the number of processes;
+- gradients clipped to a norm of --grad-clip; the log gives tokens/s and the model
+  FLOPs utilisation (MFU);
 - a checkpoint is a folder that every rank writes its own shard to
-  (torch.distributed.checkpoint), under a temporary name renamed when complete.
+  (torch.distributed.checkpoint), under a temporary name renamed when complete; the
+  periodic ones are written in the background while training goes on.
 Left out: torch.compile, which with FSDP2 is usually applied to each block before
 sharding.
 
@@ -67,8 +72,10 @@ log = logging.getLogger(__name__)
 def build_model(args, num_classes: int) -> nn.Module:
     """The network to train: a language model, whose classes are the tokens.
 
-    main() builds it on the meta device, and shard_model() makes each module of
-    `model.blocks` a unit of FSDP2: give your model's repeated layers that name.
+    main() builds it on the meta device, and shard_model() makes FSDP2 units of
+    `model.embed` with `model.position`, of each module of `model.blocks`, and of
+    `model.norm` with `model.head`: give your model's parts those names, or change
+    shard_model().
     """
     return TinyLM(num_classes, args.seq_len, args.dim, args.heads, args.layers)
 
@@ -104,6 +111,14 @@ def correct(output: Tensor, target: Tensor) -> Tensor:
     """The validation metric, summed over the batch: for each sequence, the share of
     its next tokens predicted right."""
     return output.argmax(-1).eq(target).float().mean(-1).sum()
+
+
+def flops_per_token(args) -> float:
+    """The model's floating-point operations to train on one token, forward and
+    backward: 6 per weight that multiplies (the embeddings only look up), and the
+    attention's 12 x layers x dim x seq_len (PaLM's paper, appendix B). For MFU."""
+    weights = args.layers * 12 * args.dim**2 + args.dim * args.vocab_size
+    return 6 * weights + 12 * args.layers * args.dim * args.seq_len
 
 
 class TinyLM(nn.Module):
@@ -194,17 +209,22 @@ class TokenFile(Dataset):
                 f"sequence of --seq-len {length - 1} needs. It must hold uint16 ids."
             )
         # One pass over the file, now rather than hours into training: on a GPU, an id
-        # past the embedding's end is an opaque device-side assert.
-        chunk = 1 << 24
-        largest = max(
-            int(self.tokens[i : i + chunk].max())
-            for i in range(0, len(self.tokens), chunk)
-        )
-        if largest >= vocab_size:
+        # past the embedding's end is an opaque device-side assert. By rank 0 alone,
+        # which tells the others: not every process of every node reading it all.
+        largest = [self.largest_id() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(largest, src=0)
+        if (largest := largest[0]) >= vocab_size:
             raise SystemExit(
                 f"error: {path} holds token id {largest}, and --vocab-size is "
                 f"{vocab_size}. Give the vocabulary size of the tokenizer that made it."
             )
+
+    def largest_id(self) -> int:
+        chunk = 1 << 24
+        return max(
+            int(self.tokens[i : i + chunk].max())
+            for i in range(0, len(self.tokens), chunk)
+        )
 
     def __getstate__(self):
         # DataLoader workers get a pickled copy of the dataset: send the path, not the
@@ -263,7 +283,7 @@ def main():
     log.info(f"Speed settings: {json.dumps(speed_settings(args, device))}")
 
     train_set, valid_set, num_classes = make_datasets(args)
-    args.batch_size = check_sizes(args, place.world_size, train_set, valid_set)
+    check_sizes(args, place.world_size, train_set, valid_set)
     # On the meta device, modules have shapes but no memory: no process builds the
     # whole model. shard_model() gives each process memory for its shards only.
     with torch.device("meta"):
@@ -277,15 +297,19 @@ def main():
     if args.benchmark:
         return benchmark(model, optimizer, loaders[0], args, place)
     scheduler = make_scheduler(args, optimizer, steps_per_epoch(args, loaders[0]))
-    batch = args.batch_size * args.accumulation_steps  # per process and step
-    log.info(f"Global batch: {batch} x {place.world_size} = {batch * place.world_size}")
-    progress, train_log = Progress(), TrainLog(device, batch)
+    log.info(
+        f"Global batch: {args.batch_size} x {args.accumulation_steps} micro-batches x "
+        f"{place.world_size} processes = {args.global_batch_size}"
+    )
+    progress, train_log = Progress(), TrainLog(device, args)
     checkpoint = Checkpoint(args)
     checkpoint.load(model, optimizer, scheduler, progress, train_log)
-    catch_stop_signals()
-    stopped_by = train(
-        args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint
-    )
+    # From here on there is progress to lose: on SIGUSR1 or SIGTERM, stop and save.
+    with Agreement(args.checkpoint_every) as agreement:
+        stopped_by = train(
+            args, model, optimizer, scheduler, loaders, progress, train_log,
+            checkpoint, agreement,
+        )  # fmt: skip
     if stopped_by:
         log.warning(f"Stopped at step {progress.steps}, checkpoint saved")
         # SIGUSR1 warns of the time limit: requeue. After SIGTERM, Slurm is ending the
@@ -311,10 +335,18 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=positive, default=5)
     # The sequences of an optimizer step, over all processes: each process takes its
-    # share, in --accumulation-steps micro-batches.
+    # share, in micro-batches of --micro-batch-size.
     parser.add_argument("--global-batch-size", type=positive, default=32)
-    parser.add_argument("--accumulation-steps", type=positive, default=1)
+    parser.add_argument(
+        "--micro-batch-size",
+        type=positive,
+        default=None,
+        help="sequences per process and forward pass (default: its whole share)",
+    )
     parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument(
+        "--grad-clip", type=float, default=1.0, help="largest gradient norm; 0: off"
+    )
     parser.add_argument(
         "--warmup-steps", type=positive, default=500, help="in optimizer steps"
     )
@@ -363,6 +395,24 @@ def parse_args(argv=None):
         help="storage that outlives the job (default: $CHECKPOINT_DIR, from job.sh)",
     )
     parser.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=30,
+        help="minutes of training between checkpoints: what a crash can lose",
+    )
+    parser.add_argument(
+        "--checkpoint-every-steps",
+        type=positive,
+        default=None,
+        help="also save every this many steps (a run that must save at set steps)",
+    )
+    parser.add_argument(
+        "--keep-checkpoints",
+        type=positive,
+        default=2,
+        help="the newest checkpoints kept; older ones are deleted",
+    )
+    parser.add_argument(
         "--max-restarts",
         type=int,
         default=20,
@@ -372,6 +422,12 @@ def parse_args(argv=None):
     # capability 8.0 and newer). --no-X turns one off, to measure what it buys.
     for name in ("bf16", "channels-last", "cudnn-benchmark", "pin-memory"):
         parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction)
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the GPU's dense bf16 TFLOP/s, for the MFU (default: PEAK_TFLOPS)",
+    )
     parser.add_argument(
         "--benchmark",
         type=positive,
@@ -396,7 +452,7 @@ class Progress:
 
     epoch: int = 0  # the epoch under way; at the end, the number done
     steps: int = 0  # optimizer steps taken in all
-    batches: int = 0  # batches of the epoch under way trained on
+    samples: int = 0  # sequences of the epoch under way trained on, by all processes
     first_loss: float | None = None  # the mean loss of the first log line
     last_loss: float | None = None  # and of the last
     val_loss: float | None = None  # the last validation's results
@@ -404,30 +460,38 @@ class Progress:
     val_samples: int | None = None
 
 
-def check_sizes(args, world_size: int, train_set: Dataset, valid_set: Dataset) -> int:
-    """Each process's micro-batch: its share of the global batch, in
-    --accumulation-steps parts. Stops with the cause when the data or the batch cannot
-    be split as asked."""
-    share = world_size * args.accumulation_steps
+def check_sizes(args, world_size: int, train_set: Dataset, valid_set: Dataset):
+    """Sets each process's micro-batch (args.batch_size) and their number per step
+    (args.accumulation_steps): its share of the global batch, in micro-batches of
+    --micro-batch-size. Stops with the cause when the data or the batch cannot be split
+    as asked."""
     if args.global_batch_size > len(train_set):
         raise SystemExit(
             f"error: --global-batch-size {args.global_batch_size} is more than the "
             f"{len(train_set)} sequences of the training data: no step would be whole. "
             "Lower it, or give more data."
         )
-    if args.global_batch_size % share:
+    if args.global_batch_size % world_size:
         raise SystemExit(
             f"error: --global-batch-size {args.global_batch_size} does not divide "
-            f"among {world_size} processes x {args.accumulation_steps} accumulation "
-            f"steps. Choose a multiple of {share}, or another number of tasks, so that "
-            "every process takes the same share of each batch."
+            f"among {world_size} processes. Choose a multiple of {world_size}, or "
+            "another number of tasks, so that every process takes the same share of "
+            "each batch."
+        )
+    share = args.global_batch_size // world_size
+    micro = args.micro_batch_size or share
+    if share % micro:
+        raise SystemExit(
+            f"error: --micro-batch-size {micro} does not divide the {share} sequences "
+            f"that each of {world_size} processes takes of --global-batch-size "
+            f"{args.global_batch_size}. Choose a divisor of {share}."
         )
     if len(valid_set) < world_size:
         raise SystemExit(
             f"error: the {len(valid_set)} validation sequences leave some of the "
             f"{world_size} processes none to validate. Give more validation data."
         )
-    return args.global_batch_size // share
+    args.batch_size, args.accumulation_steps = micro, share // micro
 
 
 def shard_model(model: nn.Module, device: torch.device, args) -> nn.Module:
@@ -444,11 +508,17 @@ def shard_model(model: nn.Module, device: torch.device, args) -> nn.Module:
     policy = MixedPrecisionPolicy()
     if args.bf16:
         policy = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
-    # Each block is a unit: gathered whole for its forward and backward, then freed, and
-    # its gradients reduce-scattered while the next block computes. The root takes what
-    # is left: the embeddings, the last norm and the output layer.
+    # Each unit is gathered whole for its forward, freed, gathered again for its
+    # backward, and its gradients reduce-scattered while the next unit computes; FSDP2
+    # gathers the next unit while this one computes. The embeddings are a unit, and the
+    # last norm with the output layer: as part of the root, they would stay gathered
+    # for the whole step (for a large vocabulary, two vocab x dim matrices). The last
+    # unit of the forward pass stays gathered for the backward, which starts with it.
+    fully_shard([model.embed, model.position], mesh=mesh, mp_policy=policy)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
+    last = [model.norm, model.head]
+    fully_shard(last, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
     init_weights(model, args.seed)
@@ -567,42 +637,59 @@ def make_scheduler(args, optimizer, steps_per_epoch: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train(args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint):
-    """Trains for --epochs, or --max-steps, and validates after every epoch; returns 0,
-    or the signal that stopped it before, once the checkpoint is saved."""
+def train(
+    args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint,
+    agreement,
+):  # fmt: skip
+    """Trains for --epochs, or --max-steps, and validates after every epoch, with a
+    checkpoint every --checkpoint-every minutes and at each epoch's end; returns 0, or
+    the signal that stopped it before, once the checkpoint is saved."""
     train_loader, valid_loader = loaders
     device = next(model.parameters()).device
     max_steps = math.inf if args.max_steps is None else args.max_steps
     while progress.epoch < args.epochs and (
-        progress.steps < max_steps or progress.batches
+        progress.steps < max_steps or progress.samples
     ):
         # Without set_epoch, the sampler would shuffle every epoch the same way.
         train_loader.sampler.set_epoch(progress.epoch)
-        train_loader.sampler.skip = progress.batches * args.batch_size
+        # The sequences done, over all processes: on another number of processes,
+        # each skips its new share of them.
+        train_loader.sampler.skip = progress.samples // dist.get_world_size()
         model.train()
         batches = iter(train_loader)
         for _ in range(steps_per_epoch(args, train_loader)):
             if progress.steps == max_steps:
                 break
             loss = accumulate_gradients(model, batches, args, train_log)
+            if args.grad_clip:
+                # On the sharded gradients: FSDP2 adds up the norm over the ranks.
+                nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             progress.steps += 1
-            progress.batches += args.accumulation_steps
+            progress.samples += args.global_batch_size
             train_log.add(loss)
             if progress.steps % args.log_every == 0:
                 log_line(progress, train_log, scheduler)
-            if stop := agree_to_stop(device):
+            # A save every --checkpoint-every minutes, in the background: a crash,
+            # which sends no signal, loses the steps since the last one only.
+            stop, save = agreement.poll()
+            if stop:
                 checkpoint.save(model, optimizer, scheduler, progress, train_log)
                 return stop
+            if save or checkpoint.due(progress.steps):
+                checkpoint.save_in_background(
+                    model, optimizer, scheduler, progress, train_log
+                )
+                agreement.saved()
         if train_log.steps:  # the steps since the last line, at the epoch's end
             log_line(progress, train_log, scheduler)
         log.info(f"Epoch {progress.epoch}: validation")
-        results = validate(model, valid_loader, device, args)
+        results = validate(model, valid_loader, device, args, agreement)
         if results is None:  # a stop during validation: the next run validates
             checkpoint.save(model, optimizer, scheduler, progress, train_log)
-            return agree_to_stop(device)
+            return agreement.stop
         for name, value in results.items():
             setattr(progress, name, value)
         log.info(
@@ -610,22 +697,30 @@ def train(args, model, optimizer, scheduler, loaders, progress, train_log, check
             f"{progress.val_accuracy:.2%} on {progress.val_samples} samples"
         )
         progress.epoch += 1
-        progress.batches = 0
-        checkpoint.save(model, optimizer, scheduler, progress, train_log)
+        progress.samples = 0
+        checkpoint.save_in_background(model, optimizer, scheduler, progress, train_log)
+        agreement.saved()
         train_log.restart_clock()  # the next line counts training only
+    checkpoint.wait()  # the last checkpoint complete on disk before the job ends
     return 0
 
 
 class TrainLog:
     """What the log reports: the mean loss over the steps since the last line, the
-    samples per second, and the share of that time spent waiting for data.
+    samples and tokens per second, the MFU, and the share of that time spent waiting
+    for data.
 
     The losses stay on the device until a line is logged: a .item() on every step would
     make this process wait for the GPU each time, instead of queueing the next step.
     """
 
-    def __init__(self, device: torch.device, samples_per_step: int):
-        self.device, self.samples_per_step = device, samples_per_step
+    def __init__(self, device: torch.device, args):
+        self.device = device
+        self.samples_per_step = args.batch_size * args.accumulation_steps
+        self.tokens_per_sample = args.seq_len
+        # The model's FLOPs per second at the GPU's peak, in tokens: for the MFU.
+        peak = peak_flops(device, args.peak_tflops)
+        self.peak_tokens = peak / flops_per_token(args) if peak else None
         self.total = torch.zeros((), device=device)
         self.steps = 0
         self.restart_clock()
@@ -660,12 +755,30 @@ class TrainLog:
         self.total.zero_()
         self.steps = 0
         self.restart_clock()
+        tokens_per_s = total_rate / world_size * self.tokens_per_sample
         return {
             "loss": loss / world_size,
             "samples_per_s": total_rate / world_size,
             "total_samples_per_s": total_rate,
+            "tokens_per_s": tokens_per_s,
+            # The share of the GPU's peak that the model's own FLOPs use.
+            "mfu": tokens_per_s / self.peak_tokens if self.peak_tokens else None,
             "data_wait": wait / world_size,
         }
+
+
+# Dense bf16 TFLOP/s per GPU, from NVIDIA's data sheets (the figures without sparsity),
+# by a part of the name that torch.cuda.get_device_name() gives; the first match wins.
+PEAK_TFLOPS = {"H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200": 989, "A100": 312}
+
+
+def peak_flops(device: torch.device, peak_tflops: float | None) -> float | None:
+    """The device's peak FLOP/s for the MFU: --peak-tflops, or PEAK_TFLOPS; None for
+    CPUs and GPUs not in the table."""
+    if peak_tflops is None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return None if peak_tflops is None else peak_tflops * 1e12
 
 
 def log_line(progress: Progress, train_log: TrainLog, scheduler):
@@ -673,16 +786,20 @@ def log_line(progress: Progress, train_log: TrainLog, scheduler):
     loss = report["loss"]
     progress.first_loss = loss if progress.first_loss is None else progress.first_loss
     progress.last_loss = loss
+    mfu = "n/a (--peak-tflops)" if report["mfu"] is None else f"{report['mfu']:.1%}"
     log.info(
         f"epoch {progress.epoch} step {progress.steps} | loss {loss:.4f} | "
         f"lr {scheduler.get_last_lr()[0]:.2e} | {report['samples_per_s']:.1f} "
         f"samples/s per process, {report['total_samples_per_s']:.1f} in total | "
+        f"{report['tokens_per_s']:.0f} tokens/s per process | MFU {mfu} | "
         f"waiting for data {report['data_wait']:.0%}"
     )
 
 
 @torch.no_grad()
-def validate(model: nn.Module, loader: DataLoader, device: torch.device, args):
+def validate(
+    model: nn.Module, loader: DataLoader, device: torch.device, args, agreement
+):
     """The mean loss and accuracy over every validation sample, and their count; or
     None if a rank was told to stop: all check after each batch."""
     model.eval()
@@ -706,7 +823,7 @@ def validate(model: nn.Module, loader: DataLoader, device: torch.device, args):
             sums[0] += loss_fn(output, target).double() * n
             sums[1] += correct(output, target)
             sums[2] += n
-        if agree_to_stop(device):
+        if agreement.poll()[0]:
             return None
     # Each process saw its own shard: add the sums up, and every process has them.
     dist.all_reduce(sums)
@@ -842,11 +959,50 @@ def catch_stop_signals():
     signal.signal(signal.SIGTERM, note_stop_signal)
 
 
-def agree_to_stop(device: torch.device) -> int:
-    """The stop signal that any rank received, or 0. All ranks get the same answer."""
-    flag = torch.tensor([stop_signal], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag)
+class Agreement:
+    """What all ranks decide together between two steps: to stop, on a signal that any
+    rank got, or to save, once any rank's clock says that a checkpoint is due.
+
+    Without making the GPU wait: the flags are CPU tensors, summed up over a gloo group
+    of their own, sent at one call and read at the next. The CPU queues the GPU's next
+    steps meanwhile. Each decision lands one step after it was sent, at the same step on
+    every rank: every rank makes the same calls in the same order.
+    """
+
+    def __init__(self, save_every_minutes: float):
+        catch_stop_signals()
+        self.group = dist.new_group(backend="gloo")
+        self.save_every = save_every_minutes * 60
+        self.sent, self.flags = None, None
+        self.stop = 0  # the signal the last decision stopped for, or 0
+        self.saved()
+
+    def poll(self) -> tuple[int, bool]:
+        """The decision sent at the previous call: the stop signal, or 0, and whether
+        to save. Sends this rank's flags for the next."""
+        stop, save = 0, False
+        if self.sent is not None:
+            self.sent.wait()
+            stop, save = int(self.flags[0]), bool(self.flags[1])
+        due = time.monotonic() - self.last_save >= self.save_every
+        self.flags = torch.tensor([stop_signal, due])
+        self.sent = dist.all_reduce(
+            self.flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True
+        )
+        self.stop = stop
+        return stop, save
+
+    def saved(self):
+        """Restarts the clock: all ranks call it after the same save."""
+        self.last_save = time.monotonic()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        """Waits for the last flags sent: no collective is left under way."""
+        if self.sent is not None and exc[0] is None:
+            self.sent.wait()
 
 
 def start_fork_server():
@@ -882,23 +1038,44 @@ class ResumableSampler(DistributedSampler):
 # The number of processes is not one of them: a checkpoint resumes on any number.
 SETTINGS = (
     "vocab_size", "seq_len", "dim", "heads", "layers", "synthetic_data",
-    "synthetic_size", "global_batch_size", "accumulation_steps", "learning_rate",
-    "warmup_steps", "weight_decay", "seed",
+    "synthetic_size", "global_batch_size", "learning_rate", "warmup_steps",
+    "weight_decay", "grad_clip", "seed",
 )  # fmt: skip
 
 
 class Checkpoint:
-    """The run's checkpoints: folders of every rank's shards, named by epoch and step.
-    The latest holds all it takes to continue exactly, on any number of processes."""
+    """The run's checkpoints: folders of every rank's shards, named by epoch and step,
+    the newest --keep-checkpoints kept. Each holds all it takes to continue exactly, on
+    any number of processes."""
 
     def __init__(self, args):
         self.root = args.checkpoint_dir
+        self.keep = args.keep_checkpoints
+        self.every_steps = args.checkpoint_every_steps
         self.settings = {name: getattr(args, name) for name in SETTINGS}
+        # The background saves' own group: their collectives run in a thread, on CPU
+        # tensors, and must not mix with training's.
+        self.group = dist.new_group(backend="gloo")
+        self.under_way = None  # the background save: future, path, state, start
+
+    def due(self, steps: int) -> bool:
+        """Whether --checkpoint-every-steps asks for a save after `steps` steps."""
+        return self.every_steps is not None and steps % self.every_steps == 0
 
     def save(self, model, optimizer, scheduler, progress, train_log):
-        """Writes a checkpoint: each rank its shards, rank 0 the rest. All ranks call
-        it. Training draws no random numbers (no dropout; the sampler shuffles by
-        seed and epoch), so no random state is saved, unlike in step 5."""
+        """Writes a checkpoint, and returns once it is complete on disk. All ranks
+        call it."""
+        self.save_in_background(model, optimizer, scheduler, progress, train_log)
+        self.wait()
+
+    def save_in_background(self, model, optimizer, scheduler, progress, train_log):
+        """Starts a checkpoint: each rank copies its shards to CPU memory (as much as
+        it holds of the model and of AdamW's state), then writes them in a thread while
+        training goes on. One save at a time: waits for the previous one first.
+        Training draws no random numbers (no dropout; the sampler shuffles by seed and
+        epoch), so no random state is saved, unlike in step 5."""
+        self.wait()
+        begin = time.perf_counter()
         mine = {"losses": train_log.total.cpu(), "losses_steps": train_log.steps}
         ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, ranks, dst=0)
@@ -909,9 +1086,24 @@ class Checkpoint:
             "settings": self.settings,
             "ranks": ranks,
         }
-        name = f"epoch-{progress.epoch:04d}-step-{progress.steps:08d}"
+        path = self.root / f"epoch-{progress.epoch:04d}-step-{progress.steps:08d}"
         shards = {"model": model_state, "optimizer": optimizer_state}
-        save_checkpoint(self.root / name, shards, state)
+        future = start_checkpoint(path, shards, self.group)
+        self.under_way = (future, path, state, begin)
+        seconds = time.perf_counter() - begin
+        log.info(
+            f"Writing {path.name} in the background (shards copied in {seconds:.1f} s)"
+        )
+
+    def wait(self):
+        """Waits for the save under way, if any, and completes it."""
+        if self.under_way is None:
+            return
+        future, path, state, begin = self.under_way
+        self.under_way = None
+        future.result()  # this rank's shards written; on rank 0, everyone's
+        finish_checkpoint(path, state, self.keep, self.group)
+        log.info(f"Saved {path}, {time.perf_counter() - begin:.1f} s after its start")
 
     def load(self, model, optimizer, scheduler, progress, train_log):
         """Restores the latest checkpoint, if there is one, whatever the number of
@@ -923,6 +1115,7 @@ class Checkpoint:
         dist.broadcast_object_list(chosen, src=0)
         if (path := chosen[0]) is None:
             return
+        begin = time.perf_counter()
         check_complete(path)
         state = torch.load(path / "progress.pt", map_location="cpu", weights_only=True)
         self.check(state, path)
@@ -946,6 +1139,7 @@ class Checkpoint:
         train_log.total.copy_(sum(losses) / len(losses))
         train_log.steps = ranks[0]["losses_steps"]
         how = "" if same else f", resharded from {len(ranks)} processes"
+        how += f", in {time.perf_counter() - begin:.1f} s"
         log.info(f"Resumed from {path} at step {progress.steps}{how}")
 
     def check(self, state: dict, path: Path):
@@ -982,13 +1176,12 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(path: Path, shards: dict, state: dict):
-    """Writes a checkpoint folder that appears only when complete. All ranks call it.
+def start_checkpoint(path: Path, shards: dict, group):
+    """Starts writing a checkpoint folder that appears only when complete, once
+    finish_checkpoint() has run; returns dcp.async_save's future. All ranks call it.
 
-    Every rank writes its shards into `path`.tmp, and rank 0 `state`, as progress.pt.
-    Once all are on disk, rank 0 renames the folder to `path` and deletes the
-    checkpoints before it. A save killed half-way leaves only a .tmp folder, and the
-    previous checkpoint as it was.
+    Every rank writes its shards into `path`.tmp, in a thread. A save killed half-way
+    leaves only a .tmp folder, and the checkpoints before it as they were.
     """
     partial = path.with_name(path.name + ".tmp")
     if dist.get_rank() == 0:
@@ -997,10 +1190,18 @@ def save_checkpoint(path: Path, shards: dict, state: dict):
             if UNFINISHED_NAME.fullmatch(leftover.name) and leftover.is_dir():
                 shutil.rmtree(leftover)
         partial.mkdir(parents=True)
-    dist.barrier()
-    # Each rank writes a file of its own and syncs it to disk. Rank 0 then writes the
-    # index of all of them, .metadata; dcp.save returns on all ranks once it has.
-    dcp.save(shards, checkpoint_id=partial)
+    dist.barrier(group)
+    # A copy of this rank's shards in CPU memory, made now; a thread writes it to a
+    # file of its own and syncs it to disk. Rank 0 then writes the index of all of
+    # them, .metadata, and its future is done once it has.
+    return dcp.async_save(shards, checkpoint_id=partial, process_group=group)
+
+
+def finish_checkpoint(path: Path, state: dict, keep: int, group):
+    """Completes the checkpoint that start_checkpoint() began, once every rank's
+    shards are written: rank 0 adds `state` as progress.pt, renames the folder to
+    `path`, and deletes all but the newest `keep` checkpoints. All ranks call it."""
+    partial = path.with_name(path.name + ".tmp")
     if dist.get_rank() == 0:
         save_atomically(state, partial / "progress.pt")
         if path.exists():
@@ -1014,14 +1215,13 @@ def save_checkpoint(path: Path, shards: dict, state: dict):
             folder = os.open(path.parent, os.O_RDONLY)
             os.fsync(folder)
             os.close(folder)
-        for older in checkpoints(path.parent):
-            if older != path:
-                # Renamed first: a kill during the deletion leaves a leftover, not a
-                # checkpoint that looks complete and is not.
-                doomed = older.rename(older.with_name(older.name + ".tmp"))
-                shutil.rmtree(doomed)
+        for older in checkpoints(path.parent)[:-keep]:
+            # Renamed first: a kill during the deletion leaves a leftover, not a
+            # checkpoint that looks complete and is not.
+            doomed = older.rename(older.with_name(older.name + ".tmp"))
+            shutil.rmtree(doomed)
     # No rank goes on, or exits, before the checkpoint is complete.
-    dist.barrier()
+    dist.barrier(group)
 
 
 def check_complete(path: Path):
