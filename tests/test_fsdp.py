@@ -240,9 +240,7 @@ def test_a_checkpoint_of_3_processes_resumes_on_2(uninterrupted, resharded):
     print(f"3 -> 2 at step {step}: losses within {worst:.1e}, weights {weights:.1e}")
 
 
-def test_a_killed_run_resumes_from_its_last_periodic_checkpoint(
-    tmp_path, uninterrupted
-):
+def test_a_killed_run_resumes_from_its_newest_checkpoint(tmp_path, uninterrupted):
     # SIGKILL to every rank, as a node crash or an OOM kill ends a job: no signal to
     # catch, no save at the end. Killed at an unplanned step once a checkpoint written
     # in the background is complete, the run resumes from the newest one, and ends

@@ -89,19 +89,18 @@ def measure(rank: int, world_size: int, store_path: str, out: str):
         model = example.build_model(args, args.vocab_size)
     fsdp = example.shard_model(model, torch.device("cpu"), args)
     rows["FSDP2"] = held(fsdp, one_step(fsdp, args.vocab_size))
-    # Gathered whole to compute with: the root's own parameters (embeddings, last norm,
-    # output layer) from the start of forward to the end of backward, and each block's
-    # in its turn. numel() of a sharded parameter is that of the whole.
-    in_blocks = {id(p) for p in fsdp.blocks.parameters()}
-    rows["FSDP2"]["root"] = sum(
-        p.numel() * p.element_size()
-        for p in fsdp.parameters()
-        if id(p) not in in_blocks
-    )
-    rows["FSDP2"]["block"] = max(
-        sum(p.numel() * p.element_size() for p in block.parameters())
-        for block in fsdp.blocks
-    )
+
+    # Gathered whole to compute with, a unit at a time (numel() of a sharded parameter
+    # is that of the whole): the embeddings, the largest block, and the last norm with
+    # the output layer, which stay gathered from their forward to their backward.
+    def whole(*modules):
+        return sum(
+            p.numel() * p.element_size() for m in modules for p in m.parameters()
+        )
+
+    rows["FSDP2"]["embeddings"] = whole(fsdp.embed, fsdp.position)
+    rows["FSDP2"]["block"] = max(whole(block) for block in fsdp.blocks)
+    rows["FSDP2"]["output"] = whole(fsdp.norm, fsdp.head)
     # The largest share of any process.
     everyone = [None] * world_size
     dist.all_gather_object(everyone, rows)
@@ -120,8 +119,8 @@ def main():
     writer = csv.writer(sys.stdout, lineterminator="\n")
     writer.writerow(
         ["Processes", "Strategy", "Parameters (MiB)", "Gradients (MiB)",
-         "AdamW state (MiB)", "Total (MiB)", "Root gathered (MiB)",
-         "A block gathered (MiB)"]
+         "AdamW state (MiB)", "Total (MiB)", "Embeddings gathered (MiB)",
+         "A block gathered (MiB)", "Norm and output gathered (MiB)"]
     )  # fmt: skip
     for world_size in (1, 2, 4):
         with tempfile.TemporaryDirectory() as tmp:
@@ -134,7 +133,7 @@ def main():
             parts = [row["parameters"], row["gradients"], row["optimizer"]]
             gathered = [
                 f"{row[key] / MB:.1f}" if key in row else ""
-                for key in ("root", "block")
+                for key in ("embeddings", "block", "output")
             ]
             writer.writerow(
                 [world_size, strategy, *(f"{n / MB:.1f}" for n in parts),

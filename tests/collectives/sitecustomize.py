@@ -19,6 +19,7 @@ import functools
 import inspect
 import json
 import os
+import sys
 import warnings
 
 import torch
@@ -53,7 +54,9 @@ def counted(name, function):
 for name in NAMES:
     setattr(dist, name, counted(name, getattr(dist, name)))
 
-if os.environ.get("COUNT_CUDA_SYNCS") == "1" and torch.cuda.is_available():
+# In main.py's own process only: not in the fork server and its DataLoader workers.
+main_py = sys.argv[0].endswith("main.py")
+if main_py and os.environ.get("COUNT_CUDA_SYNCS") == "1" and torch.cuda.is_available():
     torch.cuda.set_sync_debug_mode("warn")
     show = warnings.showwarning
 
