@@ -103,24 +103,30 @@ CHECKPOINT_SAVE = (
 )
 
 
-@pytest.mark.parametrize("name", [*SAVES, "generic/template"])
-def test_killed_mid_save_keeps_the_newest_checkpoints(tmp_path, name):
+# Step 4's Checkpoint; the Mila step's and the template's are the same, byte for byte
+# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_examples.py).
+def test_killed_mid_save_keeps_the_newest_checkpoints(tmp_path):
+    name = "generic/checkpointing"
     main = load_main(name)
     for version in (1, 2):
-        save(name, "import types\n" + CHECKPOINT_SAVE, tmp_path, version)
-    save(name, "import types\n" + CHECKPOINT_SAVE, tmp_path, 3, stall=True)
+        save(name, CHECKPOINT_SAVE, tmp_path, version)
+    save(name, CHECKPOINT_SAVE, tmp_path, 3, stall=True)
     # The killed save left its .tmp file; the two before are whole, the newest is 2.
     assert (tmp_path / "step-00000003.pt.tmp").exists()
     assert [p.name for p in main.checkpoints(tmp_path)] == [
         "step-00000001.pt", "step-00000002.pt",
     ]  # fmt: skip
-    newest = torch.load(main.latest_checkpoint(tmp_path), weights_only=True)
+    newest = torch.load(main.readable_checkpoint(tmp_path), weights_only=True)
     assert torch.equal(newest["model"]["weight"], torch.full((4, 4), 2.0))
     # The next save replaces the leftover and deletes the oldest: two are kept.
-    save(name, "import types\n" + CHECKPOINT_SAVE, tmp_path, 4)
+    save(name, CHECKPOINT_SAVE, tmp_path, 4)
     assert [p.name for p in main.checkpoints(tmp_path)] == [
         "step-00000002.pt", "step-00000004.pt",
     ]  # fmt: skip
+    # A newest checkpoint damaged on disk (cut in half) gives way to the one before.
+    damaged = tmp_path / "step-00000004.pt"
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    assert main.readable_checkpoint(tmp_path) == tmp_path / "step-00000002.pt"
 
 
 # The FSDP2 step writes a folder, with a shard per rank, under a temporary name, and
@@ -133,7 +139,7 @@ SHARDED_SAVE = (
     'state = {"weights": torch.full((1000,), float(version))}\n'
     'folder = path / f"epoch-0000-step-{version:08d}"\n'
     "main.start_checkpoint(folder, state, group).result()\n"
-    'main.finish_checkpoint(folder, {"version": version, "extra": extra}, 2, group)\n'
+    'main.finish_checkpoint(folder, {"version": version, "extra": extra}, 2)\n'
     "dist.destroy_process_group()"
 )
 
@@ -160,7 +166,7 @@ def test_killed_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path):
     assert [p.name for p in fsdp.checkpoints(tmp_path)] == [
         "epoch-0000-step-00000001", "epoch-0000-step-00000002",
     ]  # fmt: skip
-    latest = fsdp.latest_checkpoint(tmp_path)
+    latest = fsdp.readable_checkpoint(tmp_path)
     fsdp.check_complete(latest)
     assert torch.equal(sharded_weights(latest), torch.full((1000,), 2.0))
     # The next save goes through, clears what the killed one left, and deletes the
@@ -170,8 +176,11 @@ def test_killed_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path):
         "epoch-0000-step-00000002", "epoch-0000-step-00000004",
     ]  # fmt: skip
     assert torch.equal(
-        sharded_weights(fsdp.latest_checkpoint(tmp_path)), torch.full((1000,), 4.0)
+        sharded_weights(fsdp.readable_checkpoint(tmp_path)), torch.full((1000,), 4.0)
     )
+    # A newest checkpoint that lacks a shard is passed over for the one before.
+    (tmp_path / "epoch-0000-step-00000004" / "__0_0.distcp").unlink()
+    assert fsdp.readable_checkpoint(tmp_path) == tmp_path / "epoch-0000-step-00000002"
 
 
 def test_killed_mid_save_in_place_loses_the_checkpoint(tmp_path):

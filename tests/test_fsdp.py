@@ -259,7 +259,7 @@ def test_a_killed_run_resumes_from_its_newest_checkpoint(tmp_path, uninterrupted
     )
     assert killed.returncodes == [-signal.SIGKILL] * 2, killed.output
     assert "checkpoint saved" not in killed.output
-    newest = load_main(NAME).latest_checkpoint(tmp_path)
+    newest = load_main(NAME).readable_checkpoint(tmp_path)
     step = int(newest.name.split("-")[-1])
     assert step > 0 and step % 5 == 0, newest
     resumed = run_example(NAME, layout(2), LONG_ARGS, env=env)
@@ -327,8 +327,9 @@ def test_a_checkpoint_missing_a_shard_is_refused(tmp_path, uninterrupted):
     _, checkpoints = uninterrupted
     copy = tmp_path / "copy"
     shutil.copytree(checkpoints, copy)
-    folder = max(copy.iterdir())  # the newest, which the run would resume from
-    (folder / "__1_0.distcp").unlink()
+    for kept in copy.iterdir():  # every checkpoint kept
+        (kept / "__1_0.distcp").unlink()
+    folder = max(copy.iterdir())  # the newest, which the error names
     output = run_fails(tmp_path, "--synthetic-size", "360", checkpoints=copy)
     assert f"the checkpoint {folder} lacks __1_0.distcp" in output
     assert "storage that every node sees" in output

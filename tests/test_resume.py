@@ -245,9 +245,9 @@ def collectives(output: str) -> list[dict]:
     return [json.loads(line) for line in found]
 
 
-@pytest.mark.parametrize(
-    "name", ["generic/checkpointing", "generic/template", "generic/fsdp"]
-)
+# Step 4 and FSDP2; the Mila step and the template agree the same way, byte for byte
+# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_examples.py).
+@pytest.mark.parametrize("name", ["generic/checkpointing", "generic/fsdp"])
 def test_the_stop_agreement_adds_no_collective_to_the_default_group(tmp_path, name):
     # On GPUs the default group is NCCL's, and its collectives on GPU tensors: one per
     # step, read back on the CPU, would make the CPU wait for the GPU at every step.
@@ -268,3 +268,17 @@ def test_the_stop_agreement_adds_no_collective_to_the_default_group(tmp_path, na
         assert default == {k: v for k, v in more.items() if k.startswith("default:")}
         assert more["own:all_reduce"] - fewer["own:all_reduce"] == 8 - 4
         assert fewer["own_devices"] == more["own_devices"] == ["cpu"]
+
+
+def test_a_save_that_the_clock_asks_for_is_made_once(tmp_path):
+    # --checkpoint-every so short that a save is due after every step. The ranks read
+    # their flags one step late, so the flags sent just before a save still ask for one:
+    # they must not make a second save at the next step. Saves come every other step.
+    name = "generic/checkpointing"
+    args = (*ARGS[name], "--epochs", "1", "--max-steps", "12",
+            "--checkpoint-every", "1e-9")  # fmt: skip
+    run = run_example(name, EXAMPLES[name], args, env={"CHECKPOINT_DIR": str(tmp_path)})
+    assert run.ok, run.output
+    saved = re.findall(r"Saved \S+/step-(\d+)\.pt", unwrapped(run.output))
+    # The last save is the epoch's end, after the periodic one of step 12.
+    assert [int(step) for step in saved] == [2, 4, 6, 8, 10, 12, 12], run.output

@@ -12,8 +12,8 @@ Over step 5:
 - with bf16, the parameters are gathered in bf16, and the gradients reduced in float32;
 - --global-batch-size fixes the batch of a step over all processes, so that a
   checkpoint resumes on another number of processes, on the same batches; each process
-  takes its share in micro-batches of --micro-batch-size, so that its memory does not
-  depend on the number of processes;
+  takes its share in micro-batches of --micro-batch-size, so that its activations'
+  memory does not depend on the number of processes;
 - gradients clipped to a norm of --grad-clip; the log gives tokens/s and the model
   FLOPs utilisation (MFU);
 - a checkpoint is a folder that every rank writes its own shard to
@@ -209,22 +209,21 @@ class TokenFile(Dataset):
                 f"sequence of --seq-len {length - 1} needs. It must hold uint16 ids."
             )
         # One pass over the file, now rather than hours into training: on a GPU, an id
-        # past the embedding's end is an opaque device-side assert. By rank 0 alone,
-        # which tells the others: not every process of every node reading it all.
-        largest = [self.largest_id() if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(largest, src=0)
-        if (largest := largest[0]) >= vocab_size:
+        # past the embedding's end is an opaque device-side assert. Each process reads
+        # its share of the file, and they compare: not every process reading it all.
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, self.largest_id(dist.get_rank(), len(found)))
+        if (largest := max(found)) >= vocab_size:
             raise SystemExit(
                 f"error: {path} holds token id {largest}, and --vocab-size is "
                 f"{vocab_size}. Give the vocabulary size of the tokenizer that made it."
             )
 
-    def largest_id(self) -> int:
+    def largest_id(self, part: int, parts: int) -> int:
+        """The largest token id in every `parts`-th chunk of the file, from `part`."""
         chunk = 1 << 24
-        return max(
-            int(self.tokens[i : i + chunk].max())
-            for i in range(0, len(self.tokens), chunk)
-        )
+        starts = range(part * chunk, len(self.tokens), parts * chunk)
+        return max((int(self.tokens[i : i + chunk].max()) for i in starts), default=0)
 
     def __getstate__(self):
         # DataLoader workers get a pickled copy of the dataset: send the path, not the
@@ -512,13 +511,15 @@ def shard_model(model: nn.Module, device: torch.device, args) -> nn.Module:
     # backward, and its gradients reduce-scattered while the next unit computes; FSDP2
     # gathers the next unit while this one computes. The embeddings are a unit, and the
     # last norm with the output layer: as part of the root, they would stay gathered
-    # for the whole step (for a large vocabulary, two vocab x dim matrices). The last
-    # unit of the forward pass stays gathered for the backward, which starts with it.
+    # for the whole step (for a large vocabulary, two vocab x dim matrices). The units
+    # that end the forward pass, the last block and the output, stay gathered for the
+    # backward pass, which starts with them.
     fully_shard([model.embed, model.position], mesh=mesh, mp_policy=policy)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    last = [model.norm, model.head]
-    fully_shard(last, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    for i, block in enumerate(model.blocks):
+        last = i == len(model.blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not last)
+    output = [model.norm, model.head]
+    fully_shard(output, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
     init_weights(model, args.seed)
@@ -719,7 +720,7 @@ class TrainLog:
         self.samples_per_step = args.batch_size * args.accumulation_steps
         self.tokens_per_sample = args.seq_len
         # The model's FLOPs per second at the GPU's peak, in tokens: for the MFU.
-        peak = peak_flops(device, args.peak_tflops)
+        peak = peak_flops(device, args)
         self.peak_tokens = peak / flops_per_token(args) if peak else None
         self.total = torch.zeros((), device=device)
         self.steps = 0
@@ -769,15 +770,20 @@ class TrainLog:
 
 # Dense bf16 TFLOP/s per GPU, from NVIDIA's data sheets (the figures without sparsity),
 # by a part of the name that torch.cuda.get_device_name() gives; the first match wins.
-PEAK_TFLOPS = {"H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200": 989, "A100": 312}
+PEAK_TFLOPS = {
+    "H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200 NVL": 835, "GH200": 989,
+    "H200": 989, "A100": 312,
+}  # fmt: skip
 
 
-def peak_flops(device: torch.device, peak_tflops: float | None) -> float | None:
-    """The device's peak FLOP/s for the MFU: --peak-tflops, or PEAK_TFLOPS; None for
-    CPUs and GPUs not in the table."""
-    if peak_tflops is None and device.type == "cuda":
+def peak_flops(device: torch.device, args) -> float | None:
+    """The device's peak FLOP/s for the MFU: --peak-tflops, or PEAK_TFLOPS when training
+    in bf16; None for CPUs, MIG slices and GPUs not in the table."""
+    peak_tflops = args.peak_tflops
+    if peak_tflops is None and device.type == "cuda" and args.bf16:
         name = torch.cuda.get_device_name(device)
-        peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+        if "MIG" not in name:  # a slice has a share of the GPU's peak
+            peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     return None if peak_tflops is None else peak_tflops * 1e12
 
 
@@ -963,10 +969,11 @@ class Agreement:
     """What all ranks decide together between two steps: to stop, on a signal that any
     rank got, or to save, once any rank's clock says that a checkpoint is due.
 
-    Without making the GPU wait: the flags are CPU tensors, summed up over a gloo group
-    of their own, sent at one call and read at the next. The CPU queues the GPU's next
-    steps meanwhile. Each decision lands one step after it was sent, at the same step on
-    every rank: every rank makes the same calls in the same order.
+    Without making the GPU wait: the flags are CPU tensors, combined (the largest of
+    each) over a gloo group of their own, sent at one call and read at the next. The CPU
+    queues the GPU's next steps meanwhile. Each decision lands one step after it was
+    sent, at the same step on every rank: every rank makes the same calls in the same
+    order.
     """
 
     def __init__(self, save_every_minutes: float):
@@ -975,7 +982,7 @@ class Agreement:
         self.save_every = save_every_minutes * 60
         self.sent, self.flags = None, None
         self.stop = 0  # the signal the last decision stopped for, or 0
-        self.saved()
+        self.last_save, self.stale = time.monotonic(), False
 
     def poll(self) -> tuple[int, bool]:
         """The decision sent at the previous call: the stop signal, or 0, and whether
@@ -983,7 +990,8 @@ class Agreement:
         stop, save = 0, False
         if self.sent is not None:
             self.sent.wait()
-            stop, save = int(self.flags[0]), bool(self.flags[1])
+            stop, save = int(self.flags[0]), bool(self.flags[1]) and not self.stale
+        self.stale = False
         due = time.monotonic() - self.last_save >= self.save_every
         self.flags = torch.tensor([stop_signal, due])
         self.sent = dist.all_reduce(
@@ -993,8 +1001,9 @@ class Agreement:
         return stop, save
 
     def saved(self):
-        """Restarts the clock: all ranks call it after the same save."""
-        self.last_save = time.monotonic()
+        """Restarts the clock: all ranks call it after the same save. The flags under
+        way were sent before it: their "save" is out of date."""
+        self.last_save, self.stale = time.monotonic(), self.sent is not None
 
     def __enter__(self):
         return self
@@ -1056,7 +1065,8 @@ class Checkpoint:
         # The background saves' own group: their collectives run in a thread, on CPU
         # tensors, and must not mix with training's.
         self.group = dist.new_group(backend="gloo")
-        self.under_way = None  # the background save: future, path, state, start
+        self.under_way = None  # the background save: its future, and rank 0's thread
+        self.error = None  # what failed in that thread
 
     def due(self, steps: int) -> bool:
         """Whether --checkpoint-every-steps asks for a save after `steps` steps."""
@@ -1089,21 +1099,41 @@ class Checkpoint:
         path = self.root / f"epoch-{progress.epoch:04d}-step-{progress.steps:08d}"
         shards = {"model": model_state, "optimizer": optimizer_state}
         future = start_checkpoint(path, shards, self.group)
-        self.under_way = (future, path, state, begin)
         seconds = time.perf_counter() - begin
-        log.info(
-            f"Writing {path.name} in the background (shards copied in {seconds:.1f} s)"
-        )
+        log.info(f"Writing {path.name} (shards copied in {seconds:.1f} s)")
+        # Rank 0 completes the checkpoint as soon as its future is done, which is once
+        # every rank's shards are written: in a thread, while training goes on.
+        finisher = None
+        if dist.get_rank() == 0:
+            finisher = threading.Thread(
+                target=self.finish, args=(future, path, state, begin)
+            )
+            finisher.start()
+        self.under_way = (future, finisher)
+
+    def finish(self, future, path, state, begin):
+        """Rank 0, in a thread: completes the checkpoint once every rank's shards are
+        written. What fails is raised by wait()."""
+        try:
+            future.result()
+            finish_checkpoint(path, state, self.keep)
+            log.info(f"Saved {path} in {time.perf_counter() - begin:.1f} s")
+        except BaseException as error:
+            self.error = error
 
     def wait(self):
-        """Waits for the save under way, if any, and completes it."""
+        """Waits for the save under way, if any, to be complete on disk."""
         if self.under_way is None:
             return
-        future, path, state, begin = self.under_way
+        future, finisher = self.under_way
         self.under_way = None
-        future.result()  # this rank's shards written; on rank 0, everyone's
-        finish_checkpoint(path, state, self.keep, self.group)
-        log.info(f"Saved {path}, {time.perf_counter() - begin:.1f} s after its start")
+        future.result()  # this rank's shards written
+        if finisher is not None:
+            finisher.join()
+            if self.error is not None:
+                raise self.error
+        # No rank goes on, or exits, before the checkpoint is complete.
+        dist.barrier(self.group)
 
     def load(self, model, optimizer, scheduler, progress, train_log):
         """Restores the latest checkpoint, if there is one, whatever the number of
@@ -1111,7 +1141,7 @@ class Checkpoint:
         # Rank 0 chooses, for all: on a network file system, nodes can list a folder
         # differently for a while, and ranks that loaded different checkpoints would
         # wait on each other.
-        chosen = [latest_checkpoint(self.root) if dist.get_rank() == 0 else None]
+        chosen = [readable_checkpoint(self.root) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
         if (path := chosen[0]) is None:
             return
@@ -1171,8 +1201,15 @@ def checkpoints(root: Path) -> list[Path]:
     )
 
 
-def latest_checkpoint(root: Path) -> Path | None:
+def readable_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint in `root` with all its files, or None. One that lacks some
+    is passed over with a warning, for the one before it. If every one lacks some, as
+    on a node's own disk, the newest: check_complete() then says what is wrong."""
     found = checkpoints(root)
+    for path in reversed(found):
+        if not (missing := missing_files(path)):
+            return path
+        log.warning(f"Passing over {path}, which lacks {', '.join(missing)}")
     return found[-1] if found else None
 
 
@@ -1197,35 +1234,35 @@ def start_checkpoint(path: Path, shards: dict, group):
     return dcp.async_save(shards, checkpoint_id=partial, process_group=group)
 
 
-def finish_checkpoint(path: Path, state: dict, keep: int, group):
+def finish_checkpoint(path: Path, state: dict, keep: int):
     """Completes the checkpoint that start_checkpoint() began, once every rank's
-    shards are written: rank 0 adds `state` as progress.pt, renames the folder to
-    `path`, and deletes all but the newest `keep` checkpoints. All ranks call it."""
+    shards are written: adds `state` as progress.pt, renames the folder to `path`, and
+    deletes all but the newest `keep` checkpoints. Rank 0 alone calls it."""
     partial = path.with_name(path.name + ".tmp")
-    if dist.get_rank() == 0:
-        save_atomically(state, partial / "progress.pt")
-        if path.exists():
-            # The same epoch and step, saved before: a run resumed from it and stopped
-            # again before a step. Nothing has changed since.
-            shutil.rmtree(partial)
-        else:
-            # A rename within one folder is a single step: readers see the whole
-            # folder, or none. Synced, as save_atomically() syncs its rename.
-            os.rename(partial, path)
-            folder = os.open(path.parent, os.O_RDONLY)
-            os.fsync(folder)
-            os.close(folder)
-        for older in checkpoints(path.parent)[:-keep]:
-            # Renamed first: a kill during the deletion leaves a leftover, not a
-            # checkpoint that looks complete and is not.
-            doomed = older.rename(older.with_name(older.name + ".tmp"))
-            shutil.rmtree(doomed)
-    # No rank goes on, or exits, before the checkpoint is complete.
-    dist.barrier(group)
+    save_atomically(state, partial / "progress.pt")
+    if path.exists():
+        # The same epoch and step, saved before: a run resumed from it and stopped
+        # again before a step. Nothing has changed since.
+        shutil.rmtree(partial)
+    else:
+        # A rename within one folder is a single step: readers see the whole folder, or
+        # none. Synced, as save_atomically() syncs its rename.
+        os.rename(partial, path)
+        folder = os.open(path.parent, os.O_RDONLY)
+        os.fsync(folder)
+        os.close(folder)
+    for older in checkpoints(path.parent)[:-keep]:
+        # Renamed first: a kill during the deletion leaves a leftover, not a checkpoint
+        # that looks complete and is not. One that cannot be deleted (in use over NFS,
+        # say) stays, and the next save tries again.
+        try:
+            shutil.rmtree(older.rename(older.with_name(older.name + ".tmp")))
+        except OSError as error:
+            log.warning(f"Could not delete {older}: {error}")
 
 
-def check_complete(path: Path):
-    """Stops with the cause when a file of the checkpoint in `path` is missing."""
+def missing_files(path: Path) -> list[str]:
+    """The files of the checkpoint in `path` that this node does not see."""
     missing = [
         name for name in (".metadata", "progress.pt") if not (path / name).is_file()
     ]
@@ -1233,7 +1270,12 @@ def check_complete(path: Path):
         index = dcp.FileSystemReader(path).read_metadata()
         needed = {item.relative_path for item in index.storage_data.values()}
         missing = sorted(name for name in needed if not (path / name).is_file())
-    if missing:
+    return missing
+
+
+def check_complete(path: Path):
+    """Stops with the cause when a file of the checkpoint in `path` is missing."""
+    if missing := missing_files(path):
         raise SystemExit(
             f"error: the checkpoint {path} lacks {', '.join(missing)}. Its folder got "
             "its name only once every rank had written its part, so files went missing "

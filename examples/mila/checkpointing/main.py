@@ -505,10 +505,11 @@ class Agreement:
     """What all ranks decide together between two steps: to stop, on a signal that any
     rank got, or to save, once any rank's clock says that a checkpoint is due.
 
-    Without making the GPU wait: the flags are CPU tensors, summed up over a gloo group
-    of their own, sent at one call and read at the next. The CPU queues the GPU's next
-    steps meanwhile. Each decision lands one step after it was sent, at the same step on
-    every rank: every rank makes the same calls in the same order.
+    Without making the GPU wait: the flags are CPU tensors, combined (the largest of
+    each) over a gloo group of their own, sent at one call and read at the next. The CPU
+    queues the GPU's next steps meanwhile. Each decision lands one step after it was
+    sent, at the same step on every rank: every rank makes the same calls in the same
+    order.
     """
 
     def __init__(self, save_every_minutes: float):
@@ -517,7 +518,7 @@ class Agreement:
         self.save_every = save_every_minutes * 60
         self.sent, self.flags = None, None
         self.stop = 0  # the signal the last decision stopped for, or 0
-        self.saved()
+        self.last_save, self.stale = time.monotonic(), False
 
     def poll(self) -> tuple[int, bool]:
         """The decision sent at the previous call: the stop signal, or 0, and whether
@@ -525,7 +526,8 @@ class Agreement:
         stop, save = 0, False
         if self.sent is not None:
             self.sent.wait()
-            stop, save = int(self.flags[0]), bool(self.flags[1])
+            stop, save = int(self.flags[0]), bool(self.flags[1]) and not self.stale
+        self.stale = False
         due = time.monotonic() - self.last_save >= self.save_every
         self.flags = torch.tensor([stop_signal, due])
         self.sent = dist.all_reduce(
@@ -535,8 +537,9 @@ class Agreement:
         return stop, save
 
     def saved(self):
-        """Restarts the clock: all ranks call it after the same save."""
-        self.last_save = time.monotonic()
+        """Restarts the clock: all ranks call it after the same save. The flags under
+        way were sent before it: their "save" is out of date."""
+        self.last_save, self.stale = time.monotonic(), self.sent is not None
 
     def __enter__(self):
         return self
@@ -617,9 +620,13 @@ class Checkpoint:
             }
             path = self.root / f"step-{progress.steps:08d}.pt"
             save_atomically(state, path)
-            # Only now, with the new one on disk, the oldest go.
+            # Only now, with the new one on disk, the oldest go. A file that cannot be
+            # deleted (in use over NFS, say) stays, and is tried again at the next save.
             for older in checkpoints(self.root)[: -self.keep]:
-                older.unlink()
+                try:
+                    older.unlink()
+                except OSError as error:
+                    log.warning(f"Could not delete {older}: {error}")
             log.info(f"Saved {path} in {time.perf_counter() - begin:.1f} s")
         # No rank goes on, or exits, before the file is complete.
         dist.barrier()
@@ -628,7 +635,7 @@ class Checkpoint:
         """Restores the newest checkpoint, if any, with this rank's own state."""
         # Rank 0 chooses, for all: on a network file system, nodes can list a folder
         # differently for a while.
-        chosen = [latest_checkpoint(self.root) if dist.get_rank() == 0 else None]
+        chosen = [readable_checkpoint(self.root) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
         if (path := chosen[0]) is None:
             return
@@ -640,6 +647,12 @@ class Checkpoint:
         self.check(state, path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        # What the optimizer keeps as it comes (its step counts; on CPUs, all its state)
+        # would stay mapped to the file, which a later save deletes: copy it.
+        for values in optimizer.state.values():
+            for key, value in values.items():
+                if isinstance(value, Tensor) and value.device.type == "cpu":
+                    values[key] = value.clone()
         scheduler.load_state_dict(state["scheduler"])
         vars(progress).update(state["progress"])
         mine = state["ranks"][dist.get_rank()]
@@ -683,9 +696,16 @@ def checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(CHECKPOINT_NAME.fullmatch(p.name)[1]))
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    found = checkpoints(root)
-    return found[-1] if found else None
+def readable_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint in `root` that loads, or None. One that does not (damaged
+    on disk, say) is passed over with a warning, for the one before it."""
+    for path in reversed(checkpoints(root)):
+        try:  # with mmap, a check of the file's index, not a read of all of it
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return path
+        except Exception as error:  # a damaged file can raise one of several errors
+            log.warning(f"Passing over {path}, which does not load: {error}")
+    return None
 
 
 def save_atomically(state: dict, path: Path):
