@@ -364,8 +364,13 @@ def test_a_crashed_job_resumes_from_its_last_periodic_checkpoint(
     crashed = lab.wait(first, workdir, timeout=FAIL_FAST)
     assert crashed.state == "FAILED", crashed.output
     assert "checkpoint saved" not in crashed.output, crashed.output
-    # A periodic checkpoint, or the one at an epoch's end if the kill came after it.
-    newest = max(int(step) for step in saved.findall(crashed.output))
+    # The newest on disk: a periodic checkpoint, or the one at an epoch's end if the
+    # kill came after it (read from the folder: a kill can come between a save's rename
+    # and its log line).
+    folder = lab.state / "scratch" / "checkpoints" / run_name(workdir)
+    newest = int(newest_checkpoint(folder).stem.removeprefix("step-"))
+    logged = max(int(step) for step in saved.findall(crashed.output))
+    assert newest >= logged > 0, crashed.output
 
     again = submit(lab, name, *EXACT_RUN, workdir=workdir, options=ONE_TASK_PER_NODE)
     resubmitted = lab.wait(again, workdir, timeout=300)

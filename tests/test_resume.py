@@ -192,7 +192,9 @@ def test_a_stop_during_validation_saves_at_once_and_validates_on_resumption(tmp_
     )
 
 
-@pytest.mark.parametrize("name", ["mila/checkpointing", "generic/checkpointing"])
+# Step 4's; the Mila step's Checkpoint and requeue() are the same, byte for byte
+# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_examples.py).
+@pytest.mark.parametrize("name", ["generic/checkpointing"])
 def test_a_job_that_restarted_too_often_is_not_requeued(tmp_path, name):
     # The warning before the time limit makes rank 0 requeue the job.
     # A job that loops, say because its data makes every run fail the
@@ -218,7 +220,9 @@ def test_a_job_that_restarted_too_often_is_not_requeued(tmp_path, name):
     assert newest_checkpoint(tmp_path).exists()
 
 
-@pytest.mark.parametrize("name", ["mila/checkpointing", "generic/checkpointing"])
+# Step 4's; the Mila step's Checkpoint and requeue() are the same, byte for byte
+# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_examples.py).
+@pytest.mark.parametrize("name", ["generic/checkpointing"])
 def test_a_run_with_other_settings_does_not_resume_from_the_checkpoint(tmp_path, name):
     # A trial run, or a run with another batch size, leaves a checkpoint in the run's
     # folder. A job with other settings must not carry on from it as if it were its own.
