@@ -42,6 +42,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -262,8 +263,10 @@ class Lab:
 
     def _write_config(self) -> None:
         s = self.state
-        for sub in ["ctld", "spool", "log", "gpus", "munge", "tmp"]:
+        for sub in ["ctld", "spool", "log", "gpus", "munge", "local-disk"]:
             (s / sub).mkdir()
+        for name in NODES:
+            (s / "nodes" / name / "local-disk").mkdir(parents=True)
         # Slurm only accepts GPUs backed by character
         # devices; copies of /dev/null will do.
         for i in range(8):
@@ -332,8 +335,13 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         """What the site profiles need beyond their committed files."""
         # Mila and generic: $SCRATCH, which their profiles export.
         (self.state / "scratch").mkdir()
-        # Generic: an image folder where the generic job.sh files look for ImageNet.
-        tinyimagenet.make_folders(self.state / "scratch" / "data" / "imagenet")
+        # Generic: an image folder where the generic job.sh files look for ImageNet,
+        # and the archive of it that the template copies to each node.
+        data = self.state / "scratch" / "data"
+        tinyimagenet.make_folders(data / "imagenet")
+        with tarfile.open(data / "imagenet.tar", "w") as archive:
+            for part in ["train", "val"]:
+                archive.add(data / "imagenet" / part, arcname=part)
         # Ibex: the user's own miniconda, at /ibex/user/$USER/miniconda3.
         user = self.env()["USER"]
         (self.state / "ibex-user" / user).mkdir(parents=True)
@@ -405,15 +413,20 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         slurmd = (
             "slurmd" if self.root is None else f"chroot {self.root} /usr/sbin/slurmd"
         )
+        local_disk = shlex.quote(f"{top}{self.state / 'local-disk'}")
         for name in NODES:
             # In the node's own UTS and mount namespaces: its hostname, the sites'
-            # dataset folders, and no resolv.conf, since DNS is unreachable from here
-            # and every lookup would stall for 10 s before falling back to /etc/hosts.
+            # dataset folders, a local disk of its own (the same path on every node,
+            # as a real node's /tmp is), and no resolv.conf, since DNS is unreachable
+            # from here and every lookup would stall for 10 s before falling back to
+            # /etc/hosts.
+            own_disk = shlex.quote(str(self.state / "nodes" / name / "local-disk"))
             script = "; ".join(
                 [
                     "set -e",
                     f"hostname {name}",
                     *mounts,
+                    f"mount --bind {own_disk} {local_disk}",
                     f"mount --bind {empty} {top}/etc/resolv.conf",
                     f"exec {slurmd} -D -N {name} -f {self.conf}",
                 ]

@@ -549,6 +549,40 @@ def test_a_site_without_scratch_stops_before_srun(lab, tmp_path):
     assert "Running on" not in job.output
 
 
+def test_the_template_without_a_local_disk_stops_at_once(lab, tmp_path):
+    # The template unpacks its dataset in a folder on each node's own disk, which the
+    # site names ($SLURM_TMPDIR by default). Without it the job must stop before any
+    # srun, naming the line to set, not unpack into a folder shared by every job.
+    name = "generic/template"
+    job_id = submit(
+        lab, name, *EXAMPLES[name].args, workdir=tmp_path, site="no_local_disk"
+    )
+    job = timed_job(lab, job_id, tmp_path, "no $SLURM_TMPDIR")
+    assert (
+        "SLURM_TMPDIR: is not set: set local_disk to a folder on each node's disk"
+        in job.output
+    )
+    assert "Unpacked" not in job.output
+    assert "Running on" not in job.output
+
+
+def test_the_template_without_its_dataset_archive_stops_before_srun(lab, tmp_path):
+    # A user who has not packed the dataset yet: the job stops before any srun, with
+    # the archive's path and the two ways on.
+    name = "generic/template"
+    archive = lab.state / "scratch" / "data" / "imagenet.tar"
+    hidden = archive.with_name("imagenet.tar.away")
+    archive.rename(hidden)
+    try:
+        job_id = submit(lab, name, *EXAMPLES[name].args, workdir=tmp_path)
+        job = timed_job(lab, job_id, tmp_path, "no dataset archive")
+    finally:
+        hidden.rename(archive)
+    assert f"error: no dataset archive at {archive}: make it" in job.output
+    assert "--synthetic-data" in job.output
+    assert "Running on" not in job.output
+
+
 def test_a_job_given_gpus_that_cuda_cannot_use_fails_fast(lab, tmp_path):
     # The lab's GPUs are stand-ins, as unusable to CUDA as GPUs
     # behind a too-old driver. Without TRAIN_ON_CPU=1, which the

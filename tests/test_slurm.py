@@ -84,16 +84,17 @@ def test_sbatch_test_only_accepts_the_script(lab, name):
 # each site and launcher does (a test below says each pair has one): the steps of a line
 # differ in their counts of nodes and tasks, which sbatch --test-only checks on every
 # version, and not in how Slurm starts them. (About 4 minutes of CI less than all.)
-# The others that have a step's lines are held to them by a test below: the template's
-# and FSDP2's are step 4's, the fabric check's step 3's.
+# The others that have a step's lines are held to them by a test below: step 4's and
+# FSDP2's are the template's, less its copy of the dataset to each node; the fabric
+# check's are step 3's.
 EVERY_VERSION_RUNS = [
-    "generic/single_gpu", "generic/checkpointing", "mila/single_gpu",
+    "generic/single_gpu", "generic/template", "mila/single_gpu",
     "mila/checkpointing", "ibex/multi_node", "ibex/multi_node_legacy",
     "launchers/srun_torchrun", "launchers/mp_spawn",
 ]  # fmt: skip
 LIKE_A_STEP = {
-    "generic/template": "generic/checkpointing",
-    "generic/fsdp": "generic/checkpointing",
+    "generic/checkpointing": "generic/template",
+    "generic/fsdp": "generic/template",
     "generic/fabric": "generic/multi_node",
 }
 every_version = pytest.mark.every_version
@@ -165,15 +166,19 @@ def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
 def slurm_lines(name: str) -> list[str]:
     """What Slurm reads and runs in a job.sh, but for the lines that differ between
     steps without changing how Slurm runs them: the job name, the time limit, the
-    data folder, and how much NCCL logs."""
+    dataset's place, how much NCCL logs, and the template's copy of the dataset to each
+    node (its section, up to the next blank line)."""
     text = (EXAMPLES_DIR / name / "job.sh").read_text()
+    text = re.sub(r"# --- Copy the dataset .*?\n\n", "", text, flags=re.DOTALL)
     return [
         line
         for line in text.splitlines()
         if line.strip()
         and (line.startswith("#SBATCH") or not line.lstrip().startswith("#"))
         and not re.match(
-            r"#SBATCH --(job-name|time)=|export (DATA_DIR|NCCL_DEBUG)=", line
+            r"#SBATCH --(job-name|time)=|export (DATA_DIR|DATA_ARCHIVE|NCCL_DEBUG)="
+            r"|local_disk=",
+            line,
         )
     ]
 
@@ -182,6 +187,26 @@ def slurm_lines(name: str) -> list[str]:
 def test_job_scripts_completed_on_one_version_only_are_like_a_step(name, step):
     assert slurm_lines(name) == slurm_lines(step)
     assert slurm_lines("generic/checkpointing") != slurm_lines("generic/multi_node")
+    # What is left out of the template is its copy of the dataset alone.
+    template = (EXAMPLES_DIR / "generic/template/job.sh").read_text()
+    assert "srun --ntasks-per-node=1" in template
+    assert not any("--ntasks-per-node=1" in line for line in slurm_lines(step))
+
+
+@every_version
+@pytest.mark.parametrize("name", ["generic/template"])
+def test_the_template_unpacks_the_dataset_on_every_node(lab, jobs, name):
+    job = jobs(name)
+    assert job.ok, job.output
+    assert re.search(r"Unpacked the dataset on every node in \d+ s", job.output)
+    # Each node has its own local disk (tests/slurm_lab.py): both hold a full copy.
+    shared = lab.state / "scratch" / "data" / "imagenet"
+    images = sorted(p.relative_to(shared) for p in shared.rglob("*") if p.is_file())
+    assert images
+    for node in NODES:
+        copy = lab.state / "nodes" / node / "local-disk" / job.job_id / "imagenet"
+        copied = [p.relative_to(copy) for p in copy.rglob("*") if p.is_file()]
+        assert sorted(copied) == images, node
 
 
 # The direct launches (smoke.py) stand in for Slurm in the other tests: they must

@@ -1,10 +1,10 @@
 #!/bin/bash
 # Slurm's TaskProlog: runs before the batch script and before every srun task, on that
 # task's node. Each line it prints as `export NAME=value` lands in the task's
-# environment. Sites whose profile sets LAB_TMPDIR=1 get what Mila's own prolog gives a
-# job: $SLURM_TMPDIR, a folder private to the job on each node's local disk.
-if [[ ${LAB_TMPDIR:-} == 1 ]]; then
-    dir="/tmp/ddp-slurm-lab/tmp/$SLURM_JOB_ID/$SLURMD_NODENAME"
-    mkdir -p "$dir"
-    echo "export SLURM_TMPDIR=$dir"
-fi
+# environment. Every job gets what Mila's own prolog gives a job: $SLURM_TMPDIR, a
+# folder private to the job on each node's local disk, at the same path on every node
+# (the lab mounts each node's own folder at local-disk). The profiles of sites without
+# one unset it.
+dir="/tmp/ddp-slurm-lab/local-disk/$SLURM_JOB_ID"
+mkdir -p "$dir"
+echo "export SLURM_TMPDIR=$dir"

@@ -39,7 +39,9 @@ echo "Job $SLURM_JOB_ID, start number $((${SLURM_RESTART_COUNT:-0} + 1))," \
 # shellcheck source=/dev/null
 source "$HOME/venvs/ddp/bin/activate"
 # A folder with train.bin and val.bin, token ids as nanoGPT's data scripts write them,
-# on storage that every node reads. main.py reads DATA_DIR; --synthetic-data needs none.
+# on storage that every node reads. Two large files, read in place: unlike the
+# template's many small images, they need no copy to each node's own disk.
+# main.py reads DATA_DIR; --synthetic-data needs none.
 export DATA_DIR=$SCRATCH/data/tokens
 # --- Site-specific: storage that outlives the job and that every node sees ------------
 # Every rank writes its own shard of each checkpoint there: a node's own disk would

@@ -30,7 +30,7 @@ set -e
 echo "Job $SLURM_JOB_ID, start number $((${SLURM_RESTART_COUNT:-0} + 1))," \
     "on $SLURM_JOB_NODELIST"
 
-# --- Site-specific: make torch importable, and say where the dataset lives ------------
+# --- Site-specific: make torch importable, and say where the dataset goes ------------
 # This is a virtual environment; create it once, on a login node:
 #   python3 -m venv ~/venvs/ddp
 #   ~/venvs/ddp/bin/pip install torch==2.14.1 torchvision==0.29.1
@@ -38,9 +38,17 @@ echo "Job $SLURM_JOB_ID, start number $((${SLURM_RESTART_COUNT:-0} + 1))," \
 # compute capability 7.5 (Turing) or newer.
 # shellcheck source=/dev/null
 source "$HOME/venvs/ddp/bin/activate"
-# A folder with train/ and val/, one subfolder of images per class, on storage that
-# every node reads. main.py reads DATA_DIR; `sbatch job.sh --synthetic-data` needs none.
-export DATA_DIR=$SCRATCH/data/imagenet
+# The dataset: a folder with train/ and val/, one subfolder of images per class, packed
+# once into one archive on storage that every node reads, for example:
+#   tar -cf $SCRATCH/data/imagenet.tar -C /path/to/imagenet train val
+# `sbatch job.sh --synthetic-data` needs none.
+export DATA_ARCHIVE=$SCRATCH/data/imagenet.tar
+# A folder on each node's own disk, private to the job and emptied when it ends: each
+# node unpacks the archive there. $SLURM_TMPDIR at Mila and the Alliance; /tmp where
+# Slurm gives each job its own (the job_container/tmpfs or namespace/tmpfs plugin).
+local_disk=${SLURM_TMPDIR:?"is not set: set local_disk to a folder on each node's disk"}
+# main.py reads the images from DATA_DIR.
+export DATA_DIR=$local_disk/imagenet
 # --- Site-specific: storage that outlives the job and that every node sees ------------
 storage=${SCRATCH:?"is not set: set it, or this line, to shared storage outliving jobs"}
 export CHECKPOINT_DIR=$storage/checkpoints/$SLURM_JOB_NAME
@@ -62,6 +70,24 @@ export PYTHONFAULTHANDLER=1
 # The processes get their parallelism from DataLoader workers and the GPU; one OpenMP
 # thread each keeps them from crowding the task's CPUs.
 export OMP_NUM_THREADS=1
+
+# --- Copy the dataset to every node's own disk ----------------------------------------
+# Training reads every image once an epoch. From shared storage, that is 1.28 million
+# small files opened an epoch by every node: slow for this job and for everyone's.
+# One task per node unpacks the archive instead, before training; each requeued start
+# does it again.
+if [[ " $* " != *" --synthetic-data "* ]]; then
+    if [[ ! -r $DATA_ARCHIVE ]]; then
+        echo "error: no dataset archive at $DATA_ARCHIVE: make it (see DATA_ARCHIVE" \
+            "in job.sh), or try the job with --synthetic-data" >&2
+        exit 1
+    fi
+    start=$SECONDS
+    srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" mkdir -p "$DATA_DIR"
+    srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" \
+        tar -xf "$DATA_ARCHIVE" -C "$DATA_DIR"
+    echo "Unpacked the dataset on every node in $((SECONDS - start)) s."
+fi
 
 # Where the processes meet to form the process group: the job's first node, which
 # every node reaches by name, on a port derived from the job ID, so that two jobs

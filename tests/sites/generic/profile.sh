@@ -5,8 +5,12 @@
 # - $SCRATCH, shared by the nodes and kept between jobs, for checkpoints, and
 #   with data/imagenet: a small image folder made by tests/tinyimagenet.py
 #   when the cluster starts, in ImageNet's train/<class>/ and val/<class>/
-#   layout, for the image_classifier example;
-# - no modules or $SLURM_TMPDIR.
+#   layout, for the image_classifier example, and imagenet.tar, an archive of it
+#   that the template copies to each node;
+# - $SLURM_TMPDIR, per job and node, from the cluster's TaskProlog: a folder on
+#   each node's own disk, as Mila and the Alliance give (sites whose Slurm gives every
+#   job its own /tmp are alike), for the template's copy of the dataset;
+# - no modules.
 export LAB_MODULES=""
 export LAB_CONDA_ENVS=""
 export SCRATCH=/tmp/ddp-slurm-lab/scratch

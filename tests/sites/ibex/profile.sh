@@ -6,7 +6,9 @@
 # - /ibex/ai/reference/CV/tinyimagenet: a small synthetic TinyImageNet in the real
 #   layout, made by tests/tinyimagenet.py when the cluster starts;
 # - two network interfaces per node, the second standing in for InfiniBand, as on Ibex.
+# - no $SLURM_TMPDIR: the cluster's TaskProlog gives every job one, which this removes.
 export LAB_MODULES=""
 export LAB_CONDA_ENVS=""
+unset SLURM_TMPDIR
 # shellcheck source=tests/sites/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"

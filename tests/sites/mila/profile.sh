@@ -10,7 +10,6 @@
 # - $SCRATCH, shared by the nodes and kept between jobs, for checkpoints.
 export LAB_MODULES="anaconda/3"
 export LAB_CONDA_ENVS="pytorch"
-export LAB_TMPDIR=1
 export SCRATCH=/tmp/ddp-slurm-lab/scratch
 # shellcheck source=tests/sites/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
