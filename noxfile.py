@@ -132,9 +132,9 @@ def tests(session: nox.Session) -> None:
 
     Slurm 24.11, the version of the three closest to what most clusters run, gets every
     test. Slurm 26.05, the newest, and 22.05, the oldest, get the tests marked
-    every_version: each job.sh through sbatch --test-only, one job.sh of each site and
-    launcher to completion (not Mila's on 22.05, older than Mila's Slurm), the nodes'
-    names and addresses, the variable table, and the version differences.
+    every_version: each job.sh through sbatch --test-only, five to completion, among
+    them every site and launcher (not Mila's on 22.05, older than Mila's Slurm), the
+    nodes' names and addresses, the variable table, and the version differences.
     docs/testing.md says why.
     """
     install(session, "test")

@@ -68,7 +68,8 @@ def test_smoke_run_trains_on_every_rank(name, smoke_run):
         assert summary["last_loss"] < summary["first_loss"], summary
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+# One process: every smoke run of a single-process step counts every sample (check_run).
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize(
     ("name", "field"),
     [

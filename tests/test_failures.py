@@ -57,7 +57,7 @@ LONG_RUN = (
 # minutes: the crash test's job resumes from one.
 CHECKPOINT_EVERY_STEPS = 10
 EXACT_RUN = (
-    *SMALL_MODEL, "--epochs", "5", "--synthetic-size", "512", "--batch-size", "8",
+    *SMALL_MODEL, "--epochs", "4", "--synthetic-size", "512", "--batch-size", "8",
     "--checkpoint-every-steps", str(CHECKPOINT_EVERY_STEPS),
 )  # fmt: skip
 EPOCH_END = "val loss"  # what each example logs once an epoch is over
@@ -180,12 +180,11 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path, exact_twin):
     def warn_one_rank():  # one rank noticing must be enough for all of them to stop
         os.kill(wait_until(lambda: find_rank(job, 1), 30, "rank 1"), signal.SIGUSR1)
 
-    def warn_all():  # what --signal=USR1@120 does before the time limit
-        subprocess.run(["scancel", "--signal=USR1", job], env=lab.env(), check=True)
-
+    # A warning to every rank, as --signal=USR1@120 sends before the time limit: the
+    # FSDP2 test below (its stop agreement is this step's, byte for byte).
     # An unplanned step each time: a random moment within an epoch of training.
     rng = random.Random()
-    for restarts, interrupt in enumerate([requeue, warn_one_rank, warn_all], start=1):
+    for restarts, interrupt in enumerate([requeue, warn_one_rank], start=1):
         epochs_seen = read(output).count(EPOCH_END)
         wait_until(
             lambda seen=epochs_seen: read(output).count(EPOCH_END) > seen,
@@ -207,9 +206,9 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path, exact_twin):
     )
     resumes = re.findall(r"Resumed from \S+ at step (\d+)", preempted.output)
     steps = sorted({int(step) for _, step in stops})
-    assert len(stops) == 3 * 2 and len(steps) == 3, preempted.output
+    assert len(stops) == 2 * 2 and len(steps) == 2, preempted.output
     assert [int(step) for step in resumes] == steps, preempted.output
-    assert preempted.output.count("Requeueing job") == 2, preempted.output
+    assert preempted.output.count("Requeueing job") == 1, preempted.output
 
     # The final weights, optimizer state, losses and random states
     # are bitwise those of the run that was never interrupted; the
@@ -217,7 +216,7 @@ def test_a_preempted_job_resumes_exactly(lab, tmp_path, exact_twin):
     assert_bitwise_equal(
         checkpoint_of(lab, tmp_path / "preempted"), checkpoint_of(lab, plain)
     )
-    mine = assert_same_summaries(preempted, uninterrupted, restarts=3)
+    mine = assert_same_summaries(preempted, uninterrupted, restarts=2)
     print(
         f"preempted at steps {steps} of {mine[0]['steps']}: final state bitwise equal"
     )
