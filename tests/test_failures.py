@@ -558,28 +558,38 @@ def test_the_template_without_a_local_disk_stops_at_once(lab, tmp_path):
     )
     job = timed_job(lab, job_id, tmp_path, "no $SLURM_TMPDIR")
     assert (
-        "SLURM_TMPDIR: is not set: set local_disk to a folder on each node's disk"
-        in job.output
+        "error: SLURM_TMPDIR is not set: set local_disk in job.sh to a folder on each "
+        "node's own disk" in job.output
     )
     assert "Unpacked" not in job.output
     assert "Running on" not in job.output
 
 
 def test_the_template_without_its_dataset_archive_stops_before_srun(lab, tmp_path):
-    # A user who has not packed the dataset yet: the job stops before any srun, with
-    # the archive's path and the two ways on.
+    # A user who has not packed the dataset yet: a real run stops before any srun, with
+    # the archive's path and the two ways on; a trial on synthetic data needs neither
+    # the archive nor a folder on the nodes' disks, and trains.
     name = "generic/template"
     archive = lab.state / "scratch" / "data" / "imagenet.tar"
     hidden = archive.with_name("imagenet.tar.away")
+    trial = ("--synthetic-data", "--synthetic-size", "64", "--synthetic-classes", "4")
     archive.rename(hidden)
     try:
-        job_id = submit(lab, name, *EXAMPLES[name].args, workdir=tmp_path)
-        job = timed_job(lab, job_id, tmp_path, "no dataset archive")
+        job_id = submit(lab, name, *EXAMPLES[name].args, workdir=tmp_path / "real")
+        job = timed_job(lab, job_id, tmp_path / "real", "no dataset archive")
+        trial_id = submit(
+            lab, name, *EXAMPLES[name].args, *trial, workdir=tmp_path / "trial",
+            site="no_local_disk", options=ONE_TASK_PER_NODE,
+        )  # fmt: skip
+        tried = lab.wait(trial_id, tmp_path / "trial", timeout=300)
     finally:
         hidden.rename(archive)
     assert f"error: no dataset archive at {archive}: make it" in job.output
     assert "--synthetic-data" in job.output
     assert "Running on" not in job.output
+    assert tried.ok, tried.output
+    assert "Unpacked" not in tried.output
+    assert len(parse_summaries(tried.output)) == 2, tried.output
 
 
 def test_a_job_given_gpus_that_cuda_cannot_use_fails_fast(lab, tmp_path):

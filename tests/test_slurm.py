@@ -199,7 +199,11 @@ def test_job_scripts_completed_on_one_version_only_are_like_a_step(name, step):
 def test_the_template_unpacks_the_dataset_on_every_node(lab, jobs, name):
     job = jobs(name)
     assert job.ok, job.output
-    assert re.search(r"Unpacked the dataset on every node in \d+ s", job.output)
+    # Training read the copy on the node's disk ($SLURM_TMPDIR, from the TaskProlog).
+    unpacked = f"{lab.state}/local-disk/{job.job_id}/imagenet"
+    assert re.search(
+        rf"Unpacked the dataset in {unpacked} on every node in \d+ s", job.output
+    ), job.output
     # Each node has its own local disk (tests/slurm_lab.py): both hold a full copy.
     shared = lab.state / "scratch" / "data" / "imagenet"
     images = sorted(p.relative_to(shared) for p in shared.rglob("*") if p.is_file())

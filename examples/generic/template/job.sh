@@ -39,14 +39,16 @@ echo "Job $SLURM_JOB_ID, start number $((${SLURM_RESTART_COUNT:-0} + 1))," \
 # shellcheck source=/dev/null
 source "$HOME/venvs/ddp/bin/activate"
 # The dataset: a folder with train/ and val/, one subfolder of images per class, packed
-# once into one archive on storage that every node reads, for example:
+# once into one archive, with train/ and val/ at its top, on storage that every node
+# reads. JPEGs do not compress: leave the archive uncompressed. In a CPU job, say:
 #   tar -cf $SCRATCH/data/imagenet.tar -C /path/to/imagenet train val
 # `sbatch job.sh --synthetic-data` needs none.
 export DATA_ARCHIVE=$SCRATCH/data/imagenet.tar
-# A folder on each node's own disk, private to the job and emptied when it ends: each
-# node unpacks the archive there. $SLURM_TMPDIR at Mila and the Alliance; /tmp where
-# Slurm gives each job its own (the job_container/tmpfs or namespace/tmpfs plugin).
-local_disk=${SLURM_TMPDIR:?"is not set: set local_disk to a folder on each node's disk"}
+# A folder on each node's own disk, private to the job and emptied when it ends, at the
+# same path on every node: each node unpacks the archive there. $SLURM_TMPDIR at Mila
+# and the Alliance; /tmp where Slurm gives each job its own (job_container/tmpfs up to
+# Slurm 25.05, namespace/tmpfs or namespace/linux from 25.11).
+local_disk=$SLURM_TMPDIR
 # main.py reads the images from DATA_DIR.
 export DATA_DIR=$local_disk/imagenet
 # --- Site-specific: storage that outlives the job and that every node sees ------------
@@ -72,21 +74,27 @@ export PYTHONFAULTHANDLER=1
 export OMP_NUM_THREADS=1
 
 # --- Copy the dataset to every node's own disk ----------------------------------------
-# Training reads every image once an epoch. From shared storage, that is 1.28 million
-# small files opened an epoch by every node: slow for this job and for everyone's.
+# Training reads every image once an epoch: from shared storage, 1.28 million small
+# files opened per epoch among the nodes, slow for this job and for everyone else's.
 # One task per node unpacks the archive instead, before training; each requeued start
-# does it again.
+# does it again. A trial run with --synthetic-data (in full) skips it.
 if [[ " $* " != *" --synthetic-data "* ]]; then
+    if [[ -z $local_disk ]]; then
+        echo "error: SLURM_TMPDIR is not set: set local_disk in job.sh to a folder on" \
+            "each node's own disk" >&2
+        exit 1
+    fi
     if [[ ! -r $DATA_ARCHIVE ]]; then
         echo "error: no dataset archive at $DATA_ARCHIVE: make it (see DATA_ARCHIVE" \
             "in job.sh), or try the job with --synthetic-data" >&2
         exit 1
     fi
     start=$SECONDS
-    srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" mkdir -p "$DATA_DIR"
+    # The single quotes: each task's shell reads the two exported variables itself.
+    # shellcheck disable=SC2016
     srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" \
-        tar -xf "$DATA_ARCHIVE" -C "$DATA_DIR"
-    echo "Unpacked the dataset on every node in $((SECONDS - start)) s."
+        bash -c 'mkdir -p "$DATA_DIR" && tar -xf "$DATA_ARCHIVE" -C "$DATA_DIR"'
+    echo "Unpacked the dataset in $DATA_DIR on every node in $((SECONDS - start)) s."
 fi
 
 # Where the processes meet to form the process group: the job's first node, which
