@@ -30,7 +30,7 @@ set -e
 echo "Job $SLURM_JOB_ID, start number $((${SLURM_RESTART_COUNT:-0} + 1))," \
     "on $SLURM_JOB_NODELIST"
 
-# --- Site-specific: make torch importable, and say where the dataset goes ------------
+# --- Site-specific: make torch importable, and say where the dataset goes -------------
 # This is a virtual environment; create it once, on a login node:
 #   python3 -m venv ~/venvs/ddp
 #   ~/venvs/ddp/bin/pip install torch==2.14.1 torchvision==0.29.1
@@ -40,7 +40,7 @@ echo "Job $SLURM_JOB_ID, start number $((${SLURM_RESTART_COUNT:-0} + 1))," \
 source "$HOME/venvs/ddp/bin/activate"
 # The dataset: a folder with train/ and val/, one subfolder of images per class, packed
 # once into one archive, with train/ and val/ at its top, on storage that every node
-# reads. JPEGs do not compress: leave the archive uncompressed. In a CPU job, say:
+# reads. JPEGs do not compress: leave it uncompressed. For example, in a CPU job:
 #   tar -cf $SCRATCH/data/imagenet.tar -C /path/to/imagenet train val
 # `sbatch job.sh --synthetic-data` needs none.
 export DATA_ARCHIVE=$SCRATCH/data/imagenet.tar
@@ -77,7 +77,7 @@ export OMP_NUM_THREADS=1
 # Training reads every image once an epoch: from shared storage, 1.28 million small
 # files opened per epoch among the nodes, slow for this job and for everyone else's.
 # One task per node unpacks the archive instead, before training; each requeued start
-# does it again. A trial run with --synthetic-data (in full) skips it.
+# does it again. A trial run with --synthetic-data (written in full) skips it.
 if [[ " $* " != *" --synthetic-data "* ]]; then
     if [[ -z $local_disk ]]; then
         echo "error: SLURM_TMPDIR is not set: set local_disk in job.sh to a folder on" \
