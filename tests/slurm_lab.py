@@ -19,7 +19,8 @@ Three Slurm versions, chosen by `Lab(version=...)`:
 - 22.05: Debian 12's packages, installed on this machine itself.
 
 A site profile (tests/sites/<name>/) supplies what a cluster gives its jobs: the
-`module` and `conda` commands, dataset folders, and `$SLURM_TMPDIR`. The job scripts are
+`module` and `conda` commands and dataset folders. The cluster's TaskProlog gives every
+job `$SLURM_TMPDIR`, which the profiles of sites without one remove. The job scripts are
 submitted unchanged.
 
 Used by the test suite, and by hand as root, with a Python that has the examples'

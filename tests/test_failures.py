@@ -532,35 +532,32 @@ def test_a_head_node_that_never_comes_up_fails_fast(lab, tmp_path):
     )
 
 
-def test_a_site_without_scratch_stops_before_srun(lab, tmp_path):
-    # Without $SCRATCH the checkpoints would go to /checkpoints,
-    # which a user cannot write to: rank 0 would die at its first
-    # save, an epoch into the job. job.sh stops before srun.
-    name = "generic/checkpointing"
-    job_id = submit(
-        lab, name, *EXAMPLES[name].args, workdir=tmp_path, site="no_scratch"
-    )
-    job = timed_job(lab, job_id, tmp_path, "no $SCRATCH")
-    assert (
-        "SCRATCH: is not set: set it, or this line, to shared storage outliving jobs"
-        in job.output
-    )
-    assert "Running on" not in job.output
-
-
-def test_the_template_without_a_local_disk_stops_at_once(lab, tmp_path):
-    # The template unpacks its dataset in a folder on each node's own disk, which the
-    # site names ($SLURM_TMPDIR by default). Without it the job must stop before any
-    # srun, naming the line to set, not unpack into a folder shared by every job.
-    name = "generic/template"
-    job_id = submit(
-        lab, name, *EXAMPLES[name].args, workdir=tmp_path, site="no_local_disk"
-    )
-    job = timed_job(lab, job_id, tmp_path, "no $SLURM_TMPDIR")
-    assert (
-        "error: SLURM_TMPDIR is not set: set local_disk in job.sh to a folder on each "
-        "node's own disk" in job.output
-    )
+@pytest.mark.parametrize(
+    ("name", "site", "message"),
+    [
+        # Without $SCRATCH the checkpoints would go to /checkpoints, which a user
+        # cannot write to: rank 0 would die at its first save, an epoch into the job.
+        (
+            "generic/checkpointing", "no_scratch",
+            "SCRATCH: is not set: set it, or this line, to shared storage outliving "
+            "jobs",
+        ),
+        # The template unpacks its dataset in a folder on each node's own disk, which
+        # the site names ($SLURM_TMPDIR by default): without it, not in a folder that
+        # every job shares.
+        (
+            "generic/template", "no_local_disk",
+            "error: SLURM_TMPDIR is not set: set local_disk in job.sh to a folder on "
+            "each node's own disk",
+        ),
+    ],
+)  # fmt: skip
+def test_a_site_without_what_job_sh_needs_stops_before_srun(
+    lab, tmp_path, name, site, message
+):
+    job_id = submit(lab, name, *EXAMPLES[name].args, workdir=tmp_path, site=site)
+    job = timed_job(lab, job_id, tmp_path, f"the {site} site")
+    assert message in job.output
     assert "Unpacked" not in job.output
     assert "Running on" not in job.output
 
