@@ -3,7 +3,7 @@
 1. Every example as its smoke run on this node's GPUs (smoke.py --gpus, which
    `nox -s examples -- --gpus` runs): a process per GPU, NCCL, the launcher its job.sh
    uses, and the smoke run's checks.
-2. The template with a model of another kind (other_model.py) in its section "Your
+2. The template with the language model's section (other_model.py) in place of "Your
    model and data", every GPU setting on (bf16, channels_last, cudnn.benchmark, pinned
    memory, torch.compile): it trains, stops on SIGTERM with a checkpoint, and resumes.
 3. The template at its defaults, ResNet-50 at 224 px on synthetic images: the log's
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import smoke
 import torch
-from other_model import write_sequence_template
+from other_model import MODEL_ARGS, write_language_model_template
 from smoke import EXAMPLES_DIR, ON_GPUS, Launch, base_env, check_run, run_example
 
 SEQUENCE_ARGS = (
-    "--synthetic-data", "--synthetic-size", "6000", "--batch-size", "64",
+    *MODEL_ARGS, "--synthetic-data", "--synthetic-size", "6000", "--batch-size", "64",
     "--accumulation-steps", "2", "--epochs", "2", "--warmup-steps", "5",
     "--log-every", "10", "--num-workers", "2", "--bf16", "--channels-last",
     "--cudnn-benchmark", "--pin-memory", "--compile",
@@ -39,8 +39,9 @@ SEQUENCE_ARGS = (
 
 
 def check_other_model(tmp: Path) -> int:
-    folder = write_sequence_template(tmp / "sequences")
-    launch = Launch("srun", args=SEQUENCE_ARGS, val_samples=50)
+    folder = write_language_model_template(tmp / "language_model")
+    # 600 validation sequences of 16 tokens each
+    launch = Launch("srun", args=SEQUENCE_ARGS, val_samples=600 * 16)
 
     def run(checkpoints: str, **kwargs):
         env = {**ON_GPUS, "CHECKPOINT_DIR": str(tmp / checkpoints)}
@@ -49,7 +50,7 @@ def check_other_model(tmp: Path) -> int:
         )
 
     plain = run("plain")
-    print("sequence model, GPU settings on:", plain.line(), check_run(plain))
+    print("language model, GPU settings on:", plain.line(), check_run(plain))
     print("\n".join(plain.outputs[0].splitlines()[-12:]), flush=True)
 
     def stop(procs, logs):

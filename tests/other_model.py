@@ -1,9 +1,10 @@
-"""A model and data of another kind for the template's section "Your model and data":
-sequences of 12 steps of 6 features (3-D batches, where images are 4-D), classified by a
-GRU into 3 classes. Nothing else of main.py changes.
+"""The template with the language model's section (examples/generic/template/
+language_model.py) in place of its section "Your model and data", as its docstring
+tells a reader to make it: the section swapped, numpy imported, nothing else changed.
+And token files for it to train on.
 
-test_template.py trains, validates, stops and resumes the result on CPUs; gpu_check.py
-runs it on a GPU with the GPU-only settings on.
+test_template.py trains, validates, stops and resumes the result, directly and under
+Slurm; gpu_check.py runs it on a GPU with the GPU-only settings on.
 
     python tests/other_model.py FOLDER    # writes the template with it into FOLDER
 """
@@ -13,68 +14,51 @@ import sys
 from pathlib import Path
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "examples" / "generic" / "template"
+SECTION_START = "# ---- Your model and data"
+SECTION_END = "# ---- Training"
 
-SEQUENCE_SECTION = """
-
-def build_model(args, num_classes: int) -> nn.Module:
-    return SequenceClassifier(features=6, hidden=32, classes=num_classes)
-
-
-def make_datasets(args) -> tuple[Dataset, Dataset, int]:
-    return Sequences(args.synthetic_size, 0), Sequences(50, args.synthetic_size), 3
-
-
-def loss_fn(output: Tensor, target: Tensor) -> Tensor:
-    return F.cross_entropy(output, target)
+# A tiny model and sequence: what the tests pass.
+MODEL_ARGS = (
+    "--vocab-size", "64", "--seq-len", "16", "--dim", "32", "--heads", "2",
+    "--layers", "2",
+)  # fmt: skip
 
 
-def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
-    inputs, target = batch
-    return inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
+def section(text: str) -> str:
+    """The lines from the section's heading to the next section or the end. (A
+    heading starts its line; the language model's docstring quotes them.)"""
+    start = text.index("\n" + SECTION_START) + 1
+    end = text.find("\n" + SECTION_END, start)
+    return text[start : None if end == -1 else end + 1]
 
 
-def correct(output: Tensor, target: Tensor) -> Tensor:
-    return output.argmax(-1).eq(target).sum()
-
-
-class SequenceClassifier(nn.Module):
-    def __init__(self, features: int, hidden: int, classes: int):
-        super().__init__()
-        self.gru = nn.GRU(features, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        return self.head(self.gru(x)[0][:, -1])
-
-
-class Sequences(Dataset):
-    def __init__(self, length: int, first_seed: int):
-        self.length, self.first_seed = length, first_seed
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, index: int):
-        label = index % 3
-        noise = torch.randn(12, 6, generator=torch.Generator().manual_seed(
-            self.first_seed + index))
-        return noise + label, label
-
-
-"""
-
-
-def write_sequence_template(folder: Path) -> Path:
-    """A copy of the template in `folder`, its section "Your model and data" replaced
-    by SEQUENCE_SECTION, and nothing else changed."""
+def write_language_model_template(folder: Path) -> Path:
+    """A copy of the template folder in `folder`, main.py's section replaced."""
     shutil.copytree(TEMPLATE, folder)
-    source = (folder / "main.py").read_text()
-    start = source.index("# ---- Your model and data")
-    start = source.index("\n", start) + 1
-    end = source.index("# ---- Training")
-    (folder / "main.py").write_text(source[:start] + SEQUENCE_SECTION + source[end:])
+    main = folder / "main.py"
+    source = main.read_text()
+    new = section((TEMPLATE / "language_model.py").read_text()).rstrip() + "\n\n\n"
+    source = source.replace(section(source), new)
+    main.write_text(
+        source.replace("import torch\n", "import numpy as np\nimport torch\n", 1)
+    )
+    return folder
+
+
+def write_token_files(folder: Path, train_sequences: int, val_sequences: int) -> Path:
+    """train.bin and val.bin in `folder`: uint16 ids that count up by a stride that
+    changes now and then, for --seq-len 16 and --vocab-size 64."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, sequences in [("train.bin", train_sequences), ("val.bin", val_sequences)]:
+        length = sequences * 16 + 1
+        strides = np.repeat(rng.integers(1, 8, size=length // 32 + 1), 32)[:length]
+        tokens = (rng.integers(64) + np.cumsum(strides)) % 64
+        tokens.astype(np.uint16).tofile(folder / name)
     return folder
 
 
 if __name__ == "__main__":
-    print(write_sequence_template(Path(sys.argv[1])))
+    print(write_language_model_template(Path(sys.argv[1])))

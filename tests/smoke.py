@@ -234,13 +234,15 @@ class Run:
         return line
 
 
-def load_main(name: str):
-    """The example's main.py as a module, without running its main()."""
-    module_name = f"example_{name.replace('/', '_')}"
+def load_main(name: str, file: str = "main.py"):
+    """The example's main.py (or another of its files) as a module, without running
+    its main(). Registered in sys.modules, so that pickle finds its classes."""
+    module_name = f"example_{name.replace('/', '_')}_{Path(file).stem}"
     spec = importlib.util.spec_from_file_location(
-        module_name, EXAMPLES_DIR / name / "main.py"
+        module_name, EXAMPLES_DIR / name / file
     )
     module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -37,13 +37,13 @@ ARGS = {
         "--model", "resnet18", "--image-size", "32", "--batch-size", "8",
         "--epochs", "2", "--warmup-steps", "10", "--log-every", "5",
     ),
-    # The template: with DataLoader workers, accumulation and the learning rate's
-    # warm-up and decay, all of which a resumed run must pick up where they were.
+    # The template: on an image folder (smoke.py's, 130 training images) with its random
+    # crops and flips, 2 DataLoader workers per rank, accumulation and the learning
+    # rate's warm-up and decay, all of which a resumed run must pick up where they were.
     "generic/template": (
-        "--synthetic-data", "--synthetic-size", "480", "--synthetic-classes", "10",
         "--model", "resnet18", "--image-size", "32", "--batch-size", "4",
         "--accumulation-steps", "2", "--epochs", "2", "--warmup-steps", "10",
-        "--log-every", "5", "--num-workers", "1",
+        "--log-every", "5", "--num-workers", "2",
     ),
     # FSDP2: a transformer, sharded, with micro-batches.
     "generic/fsdp": (*EXAMPLES["generic/fsdp"].args, "--micro-batch-size", "6"),
@@ -113,6 +113,32 @@ def test_a_stopped_run_resumes_exactly(tmp_path, name):
     assert numbers(second.summaries) == numbers(plain.summaries)
     assert_bitwise_equal(
         load_checkpoint(tmp_path / "stopped"), load_checkpoint(tmp_path / "plain")
+    )
+
+
+def test_a_trial_with_max_steps_leaves_the_real_run_to_train_in_full(tmp_path):
+    # A trial and then the real run in one folder, as a reader may do against the adapt
+    # page's advice: the trial stops part-way through the first epoch and says so; the
+    # real run goes on from its checkpoint, with new DataLoader workers, to the end,
+    # and ends bitwise equal to a real run alone.
+    name, launch = "generic/template", EXAMPLES["generic/template"]
+    args = ARGS[name]
+    alone = run_example(name, launch, args, env={"CHECKPOINT_DIR": str(tmp_path / "a")})
+    assert alone.ok and alone.summaries[0]["finished"], alone.output
+    env = {"CHECKPOINT_DIR": str(tmp_path / "b")}
+    trial = run_example(name, launch, (*args, "--max-steps", "3"), env=env)
+    assert trial.ok, trial.output
+    assert "Stopped by --max-steps 3 after step 3, with 0 of 2 epochs done" in (
+        unwrapped(trial.output)
+    )
+    assert [s["finished"] for s in trial.summaries] == [False, False]
+    assert trial.summaries[0]["steps"] == 3 and trial.summaries[0]["epoch"] == 0
+    real = run_example(name, launch, args, env=env)
+    assert real.ok, real.output
+    assert re.search(r"Resumed from .+ at step 3\b", unwrapped(real.output), re.S)
+    assert numbers(real.summaries) == numbers(alone.summaries)
+    assert_bitwise_equal(
+        load_checkpoint(tmp_path / "b"), load_checkpoint(tmp_path / "a")
     )
 
 

@@ -3,8 +3,11 @@ variables it sets for libraries, its benchmark, the laptop command of the home p
 its speed settings, and a model of another kind swapped in through its reader's part."""
 
 import argparse
+import contextlib
 import dataclasses
+import difflib
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -17,13 +20,19 @@ import bench
 import pytest
 import tinyimagenet
 import torch
-from other_model import write_sequence_template
+from other_model import (
+    MODEL_ARGS,
+    section,
+    write_language_model_template,
+    write_token_files,
+)
 from smoke import (
     EXAMPLES,
     EXAMPLES_DIR,
     assert_bitwise_equal,
     base_env,
     check_run,
+    descendants,
     load_checkpoint,
     load_main,
     numbers,
@@ -254,35 +263,58 @@ def test_benchmark_rows_turn_on_one_setting_each():
         example.parse_args(args)
 
 
-# GPU-only settings that run on CPUs too, turned on; accumulation; workers.
-SEQUENCE_ARGS = (
-    "--synthetic-data", "--synthetic-size", "600", "--batch-size", "8",
-    "--accumulation-steps", "2", "--epochs", "2", "--warmup-steps", "4",
-    "--log-every", "5", "--num-workers", "1", "--channels-last", "--cudnn-benchmark",
-    "--pin-memory",
+# The language model's section on token files: 170 training sequences of 16 tokens,
+# 13 validation ones; 2 DataLoader workers per rank, accumulation, and the GPU-only
+# settings that run on CPUs too, turned on.
+LANGUAGE_MODEL_ARGS = (
+    *MODEL_ARGS, "--batch-size", "4", "--accumulation-steps", "2", "--epochs", "2",
+    "--warmup-steps", "4", "--log-every", "5", "--num-workers", "2", "--channels-last",
+    "--cudnn-benchmark", "--pin-memory",
 )  # fmt: skip
 
 
-def test_a_model_of_another_kind_needs_only_the_readers_section(tmp_path):
-    # Only the section "Your model and data" differs from the template.
-    folder = write_sequence_template(tmp_path / "sequences")
-    launch = dataclasses.replace(EXAMPLES[NAME], val_samples=50, dataset=None)
+def test_the_language_model_section_is_all_a_reader_changes(tmp_path):
+    folder = write_language_model_template(tmp_path / "lm")
+    old = (EXAMPLES_DIR / NAME / "main.py").read_text().splitlines()
+    new = (folder / "main.py").read_text().splitlines()
+    changed = [line[2:] for line in difflib.ndiff(old, new) if line[:2] in ("- ", "+ ")]
+    image_section = section((EXAMPLES_DIR / NAME / "main.py").read_text())
+    lm_section = section((EXAMPLES_DIR / NAME / "language_model.py").read_text())
+    outside = [
+        line
+        for line in changed
+        if line.strip() and line not in image_section and line not in lm_section
+    ]
+    assert outside == ["import numpy as np"], outside
+
+
+def test_the_language_model_section_trains_counts_tokens_and_resumes_exactly(tmp_path):
+    folder = write_language_model_template(tmp_path / "lm")
+    data = write_token_files(tmp_path / "tokens", train_sequences=170, val_sequences=13)
+    # Each validation token is counted once: 13 sequences x 16 next tokens.
+    launch = dataclasses.replace(EXAMPLES[NAME], val_samples=13 * 16, dataset=None)
 
     def run(checkpoints: str, **kwargs):
-        env = {"CHECKPOINT_DIR": str(tmp_path / checkpoints)}
-        return run_example(NAME, launch, SEQUENCE_ARGS, env, folder=folder, **kwargs)
+        env = {"CHECKPOINT_DIR": str(tmp_path / checkpoints), "DATA_DIR": str(data)}
+        return run_example(
+            NAME, launch, LANGUAGE_MODEL_ARGS, env, folder=folder, **kwargs
+        )
 
     plain = run("plain")
     assert check_run(plain) == [], plain.output
     summary = plain.summaries[0]
-    assert summary["val_samples"] == 50 and summary["last_loss"] < summary["first_loss"]
+    assert summary["finished"] and summary["last_loss"] < summary["first_loss"]
+    right = summary["val_accuracy"] * 13 * 16
+    assert abs(right - round(right)) < 1e-6  # a share of tokens, not of sequences
 
     def stop_rank_1(procs, logs: list[Path]):
         deadline = time.monotonic() + 120
         while "epoch 0 step 5 |" not in logs[0].read_text():
             assert time.monotonic() < deadline, logs[0].read_text()
             time.sleep(0.05)
-        procs[1].send_signal(signal.SIGTERM)
+        for pid in [procs[1].pid, *descendants(procs[1].pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
 
     stopped = run("stopped", while_running=stop_rank_1)
     assert stopped.ok and "checkpoint saved" in stopped.output, stopped.output
@@ -292,6 +324,22 @@ def test_a_model_of_another_kind_needs_only_the_readers_section(tmp_path):
     assert_bitwise_equal(
         load_checkpoint(tmp_path / "stopped"), load_checkpoint(tmp_path / "plain")
     )
+
+
+def test_a_dataloader_worker_gets_the_token_files_path_not_its_tokens(
+    tmp_path, process_group
+):
+    # Under the fork server, each worker gets the dataset pickled: a pickled np.memmap
+    # is a copy of the whole file, in every worker of every rank.
+    section = load_main(NAME, file="language_model.py")
+    data = write_token_files(tmp_path, train_sequences=20_000, val_sequences=1)
+    dataset = section.TokenFile(data / "train.bin", 17, 64)
+    size = (data / "train.bin").stat().st_size
+    pickled = pickle.dumps(dataset)
+    assert size > 600_000 and len(pickled) < 1_000, (size, len(pickled))
+    copy = pickle.loads(pickled)
+    assert len(copy) == len(dataset) == 20_000
+    assert torch.equal(copy[123], dataset[123])
 
 
 def test_the_variables_that_setup_sets_do_not_outlive_their_test():

@@ -38,6 +38,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import random
 import re
 import shutil
 import signal
@@ -602,10 +603,10 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
     # step 5 repeats some: a step's global batch is then the same samples on any
     # number of processes, and a checkpoint resumes on another number.
     sampler = ResumableSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
-    # Each process seeds its own workers: with one seed everywhere, a random
-    # augmentation would draw the same numbers in every process.
+    # The workers' seeds come from a generator of their own, not from torch's global
+    # random numbers, which training alone draws from (a checkpoint saves them).
     train_loader = DataLoader(
-        train_set,
+        SeededSamples(train_set, args.seed),
         sampler=sampler,
         drop_last=True,
         generator=torch.Generator().manual_seed(args.seed + place.rank),
@@ -1030,6 +1031,38 @@ def start_fork_server():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
 
 
+class SeededSamples(Dataset):
+    """The training set, each sample's random draws seeded by the run's seed, the
+    epoch and the sample's index alone: a random crop or flip comes out the same
+    whichever worker, process or run loads the sample. So a resumed run, whose new
+    workers would otherwise draw other numbers, trains on the very same batches.
+
+    It covers every transform that draws from torch's or Python's random numbers, as
+    torchvision's do. (Seed numpy's global generator here too if yours draw from it.)
+    """
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key  # from ResumableSampler
+        # A tuple of whole numbers hashes to the same number in every process and run.
+        seed = hash((self.seed, epoch, index))
+        python_state = random.getstate()
+        # Training's own random numbers (dropout, say) stay as they were: on the CPU
+        # when num_workers is 0, where this runs in the training process itself.
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            random.seed(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(python_state)
+
+
 class ResumableSampler(DistributedSampler):
     """A DistributedSampler that can start an epoch part-way: it skips the samples
     that the interrupted run already trained on, in the epoch's same order."""
@@ -1037,7 +1070,9 @@ class ResumableSampler(DistributedSampler):
     skip = 0
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
+        # Each index with its epoch, for SeededSamples.
+        indices = itertools.islice(super().__iter__(), self.skip, None)
+        return ((self.epoch, index) for index in indices)
 
     def __len__(self):
         return max(self.num_samples - self.skip, 0)

@@ -26,6 +26,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import random
 import re
 import signal
 import socket
@@ -99,7 +100,8 @@ def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def correct(output: Tensor, target: Tensor) -> Tensor:
-    """The validation metric, summed over the batch: right predictions."""
+    """The validation metric, summed over the batch: right predictions, one for each
+    element of the target (each sample's label; or each token of a sequence)."""
     return output.argmax(-1).eq(target).sum()
 
 
@@ -186,11 +188,19 @@ def main():
         if stopped_by == signal.SIGUSR1 and place.rank == 0:
             requeue(args.max_restarts)
         return
+    finished = progress.epoch == args.epochs
+    if not finished:
+        log.warning(
+            f"Stopped by --max-steps {args.max_steps} after step {progress.steps}, "
+            f"with {progress.epoch} of {args.epochs} epochs done: training is not "
+            "finished. To go on, run again under the same job name without --max-steps."
+        )
     # One plain line per process to grep from the job's output: the numbers agree.
     summary = {
         "rank": place.rank,
         "world_size": place.world_size,
         "host": socket.gethostname(),
+        "finished": finished,
         **asdict(progress),
         "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
     }
@@ -208,7 +218,11 @@ def parse_args(argv=None):
     parser.add_argument("--weight-decay", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--max-steps", type=positive, default=None, help="stop after this many"
+        "--max-steps",
+        type=positive,
+        default=None,
+        help="stop after this many steps in all, as if stopped by a signal: a later "
+        "run goes on from there",
     )
     parser.add_argument(
         "--log-every", type=positive, default=50, help="steps between log lines"
@@ -320,10 +334,10 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
     # Each process trains on its own 1/world_size of every epoch, shuffled by the
     # sampler. It pads the shares with repeated samples to make them equal.
     sampler = ResumableSampler(train_set, shuffle=True, seed=args.seed)
-    # Each process seeds its own workers: with one seed everywhere, a random
-    # augmentation would draw the same numbers in every process.
+    # The workers' seeds come from a generator of their own, not from torch's global
+    # random numbers, which training alone draws from (a checkpoint saves them).
     train_loader = DataLoader(
-        train_set,
+        SeededSamples(train_set, args.seed),
         sampler=sampler,
         drop_last=True,
         generator=torch.Generator().manual_seed(args.seed + place.rank),
@@ -349,7 +363,6 @@ def make_scheduler(args, optimizer, steps_per_epoch: int):
     """A learning rate that rises linearly over --warmup-steps, then decays to zero
     along a cosine, by the end of training."""
     total = args.epochs * steps_per_epoch
-    total = total if args.max_steps is None else min(total, args.max_steps)
     warmup = args.warmup_steps
 
     def factor(step: int) -> float:
@@ -378,8 +391,10 @@ def train(
         train_loader.sampler.set_epoch(progress.epoch)
         train_loader.sampler.skip = progress.batches * args.batch_size
         model.train()
+        early = False  # whether --max-steps stopped the run part-way through the epoch
         for batch in train_loader:
-            if progress.steps == max_steps:
+            if progress.steps >= max_steps:
+                early = True
                 break
             inputs, target = to_device(batch, device)
             loss = loss_fn(model(inputs), target)
@@ -400,7 +415,7 @@ def train(
                 agreement.saved()
             if stop:
                 return stop
-        if train_log.steps:  # the steps since the last line, at the epoch's end
+        if train_log.steps and not early:  # the steps since the last line
             log_line(progress, train_log, scheduler)
         log.info(f"Epoch {progress.epoch}: validation")
         results = validate(model.module, valid_loader, device, agreement)
@@ -413,6 +428,11 @@ def train(
             f"Epoch {progress.epoch}: val loss {progress.val_loss:.3f}, val accuracy "
             f"{progress.val_accuracy:.2%} on {progress.val_samples} samples"
         )
+        if early:
+            # The epoch is not done: a later run with a higher --max-steps, or none,
+            # goes on from this checkpoint, part-way through it, as after a signal.
+            checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
+            return 0
         progress.epoch += 1
         progress.batches = 0
         checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
@@ -472,7 +492,7 @@ def validate(model: nn.Module, loader: DataLoader, device: torch.device, agreeme
     for i, batch in enumerate(loader):
         inputs, target = to_device(batch, device)
         output = model(inputs)
-        n = len(target)
+        n = target.numel()  # samples; tokens, where each token has a target
         sums[0] += loss_fn(output, target).double() * n
         sums[1] += correct(output, target)
         sums[2] += n
@@ -566,6 +586,38 @@ def start_fork_server():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
 
 
+class SeededSamples(Dataset):
+    """The training set, each sample's random draws seeded by the run's seed, the
+    epoch and the sample's index alone: a random crop or flip comes out the same
+    whichever worker, process or run loads the sample. So a resumed run, whose new
+    workers would otherwise draw other numbers, trains on the very same batches.
+
+    It covers every transform that draws from torch's or Python's random numbers, as
+    torchvision's do. (Seed numpy's global generator here too if yours draw from it.)
+    """
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key  # from ResumableSampler
+        # A tuple of whole numbers hashes to the same number in every process and run.
+        seed = hash((self.seed, epoch, index))
+        python_state = random.getstate()
+        # Training's own random numbers (dropout, say) stay as they were: on the CPU
+        # when num_workers is 0, where this runs in the training process itself.
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            random.seed(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(python_state)
+
+
 class ResumableSampler(DistributedSampler):
     """A DistributedSampler that can start an epoch part-way: it skips the samples
     that the interrupted run already trained on, in the epoch's same order."""
@@ -573,17 +625,22 @@ class ResumableSampler(DistributedSampler):
     skip = 0
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
+        # Each index with its epoch, for SeededSamples.
+        indices = itertools.islice(super().__iter__(), self.skip, None)
+        return ((self.epoch, index) for index in indices)
 
     def __len__(self):
         return max(self.num_samples - self.skip, 0)
 
 
-# The settings that shape training: a checkpoint written with others is another run's.
-SETTINGS = (
-    "synthetic_data", "synthetic_size", "batch_size", "learning_rate", "warmup_steps",
-    "weight_decay", "seed",
-)  # fmt: skip
+# The arguments that a resumed run may change: where things are, how often it logs and
+# saves, how long it trains. Every other one shapes training, your own arguments
+# included: a checkpoint written with another value of one belongs to another run.
+MAY_CHANGE_ON_RESUME = {
+    "epochs", "max_steps", "log_every", "data_dir", "num_workers", "rendezvous_timeout",
+    "checkpoint_dir", "checkpoint_every", "checkpoint_every_steps", "keep_checkpoints",
+    "max_restarts",
+}  # fmt: skip
 
 
 class Checkpoint:
@@ -594,7 +651,11 @@ class Checkpoint:
         self.root = args.checkpoint_dir
         self.keep = args.keep_checkpoints
         self.every_steps = args.checkpoint_every_steps
-        self.settings = {name: getattr(args, name) for name in SETTINGS}
+        self.settings = {
+            name: value
+            for name, value in sorted(vars(args).items())
+            if name not in MAY_CHANGE_ON_RESUME
+        }
 
     def due(self, steps: int) -> bool:
         """Whether --checkpoint-every-steps asks for a save after `steps` steps."""

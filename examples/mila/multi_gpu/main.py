@@ -88,7 +88,8 @@ def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def correct(output: Tensor, target: Tensor) -> Tensor:
-    """The validation metric, summed over the batch: right predictions."""
+    """The validation metric, summed over the batch: right predictions, one for each
+    element of the target (each sample's label; or each token of a sequence)."""
     return output.argmax(-1).eq(target).sum()
 
 
@@ -381,7 +382,7 @@ def validate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict
     for batch in loader:
         inputs, target = to_device(batch, device)
         output = model(inputs)
-        n = len(target)
+        n = target.numel()  # samples; tokens, where each token has a target
         sums[0] += loss_fn(output, target).double() * n
         sums[1] += correct(output, target)
         sums[2] += n
