@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import json
 import os
 import pickle
 import re
@@ -26,6 +27,7 @@ from other_model import (
     write_language_model_template,
     write_token_files,
 )
+from page_text import page_command
 from smoke import (
     EXAMPLES,
     EXAMPLES_DIR,
@@ -219,6 +221,49 @@ def test_the_laptop_command_of_the_home_page_trains(tmp_path):
     assert '"world_size": 1' in summary
     losses = re.findall(r"\| loss ([\d.]+) \|", result.stderr)
     assert len(losses) >= 2 and float(losses[-1]) < float(losses[0]), result.stderr
+
+
+def test_the_adapt_pages_laptop_lines_stop_and_resume(tmp_path):
+    # The adapt page's two lines, run as written with bash, in a copy of the template's
+    # folder: 4 processes under torchrun, stopped by the kill line, then started again.
+    train = page_command("adapt.md", "OMP_NUM_THREADS=1 torchrun")
+    stop = page_command("adapt.md", "kill -TERM")
+    env = base_env()
+    del env["TRAIN_ON_CPU"]  # a laptop without a GPU trains on its CPU unasked
+    # The reader's environment is active: torchrun is on the PATH.
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    folder = tmp_path / "template"
+    shutil.copytree(EXAMPLES_DIR / NAME, folder)
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen(
+            ["bash", "-c", train], cwd=folder, env=env, stdout=out, stderr=out
+        )
+        try:
+            deadline = time.monotonic() + 180
+            while "step 5 |" not in log.read_text():
+                assert first.poll() is None and time.monotonic() < deadline, (
+                    log.read_text()
+                )
+                time.sleep(0.1)
+            subprocess.run(["bash", "-c", stop], cwd=folder, env=env, check=True)
+            first.wait(timeout=60)
+        finally:
+            first.kill()
+    stopped = log.read_text()
+    assert len(re.findall(r"\[(\d)/4\] Stopped at step (\d+)", stopped)) == 4, stopped
+    assert "summary:" not in stopped, stopped
+    again = subprocess.run(
+        ["bash", "-c", train], cwd=folder, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    output = again.stdout + again.stderr
+    assert again.returncode == 0, output
+    assert re.search(r"Resumed from \S+ at step \d+", output), output
+    summaries = [json.loads(s) for s in re.findall(r"^summary: (.*)$", output, re.M)]
+    assert sorted(s["rank"] for s in summaries) == [0, 1, 2, 3], output
+    # 640 images, 4 processes of 8: 20 steps an epoch, 2 epochs.
+    assert all(s["finished"] and s["steps"] == 40 for s in summaries), summaries
 
 
 def test_benchmark_reports_both_rates_for_each_row(tmp_path):
