@@ -273,6 +273,26 @@ def test_a_killed_run_resumes_from_its_newest_checkpoint(tmp_path, uninterrupted
     print(f"killed after the checkpoint of step {step}: final state bitwise equal")
 
 
+def test_a_trial_with_max_steps_is_continued_by_the_real_run(tmp_path, uninterrupted):
+    # --max-steps stops part-way, as a signal would, and says so; a run without it in
+    # the same folder goes on to the end, bitwise as the uninterrupted run.
+    env = {"CHECKPOINT_DIR": str(tmp_path)}
+    trial = run_example(NAME, layout(2), (*LONG_ARGS, "--max-steps", "7"), env=env)
+    assert trial.ok, trial.output
+    assert "Stopped by --max-steps 7 after step 7, with 0 of 2 epochs done" in (
+        trial.output
+    )
+    assert [s["finished"] for s in trial.summaries] == [False, False]
+    real = run_example(NAME, layout(2), LONG_ARGS, env=env)
+    assert real.ok, real.output
+    assert re.search(r"Resumed from \S+ at step 7, in ", real.output), real.output
+    plain, plain_checkpoints = uninterrupted
+    assert_bitwise_equal(
+        load_sharded_checkpoint(tmp_path), load_sharded_checkpoint(plain_checkpoints)
+    )
+    assert numbers(real.summaries) == numbers(plain.summaries)
+
+
 def run_fails(
     tmp_path: Path, *args: str, world_size: int = 2, checkpoints: Path | None = None
 ):

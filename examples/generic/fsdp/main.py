@@ -317,11 +317,19 @@ def main():
         if stopped_by == signal.SIGUSR1 and place.rank == 0:
             requeue(args.max_restarts)
         return
+    finished = progress.epoch == args.epochs
+    if not finished:
+        log.warning(
+            f"Stopped by --max-steps {args.max_steps} after step {progress.steps}, "
+            f"with {progress.epoch} of {args.epochs} epochs done: training is not "
+            "finished. To go on, run again under the same job name without --max-steps."
+        )
     # One plain line per process to grep from the job's output: the numbers agree.
     summary = {
         "rank": place.rank,
         "world_size": place.world_size,
         "host": socket.gethostname(),
+        "finished": finished,
         **asdict(progress),
         "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
     }
@@ -353,7 +361,11 @@ def parse_args(argv=None):
     parser.add_argument("--weight-decay", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--max-steps", type=positive, default=None, help="stop after this many"
+        "--max-steps",
+        type=positive,
+        default=None,
+        help="stop after this many steps in all, as if stopped by a signal: a later "
+        "run goes on from there",
     )
     parser.add_argument(
         "--log-every", type=positive, default=50, help="steps between log lines"
@@ -627,7 +639,6 @@ def make_scheduler(args, optimizer, steps_per_epoch: int):
     """A learning rate that rises linearly over --warmup-steps, then decays to zero
     along a cosine, by the end of training."""
     total = args.epochs * steps_per_epoch
-    total = total if args.max_steps is None else min(total, args.max_steps)
     warmup = args.warmup_steps
 
     def factor(step: int) -> float:
@@ -659,8 +670,10 @@ def train(
         train_loader.sampler.skip = progress.samples // dist.get_world_size()
         model.train()
         batches = iter(train_loader)
+        early = False  # whether --max-steps stopped the run part-way through the epoch
         for _ in range(steps_per_epoch(args, train_loader)):
-            if progress.steps == max_steps:
+            if progress.steps >= max_steps:
+                early = True
                 break
             loss = accumulate_gradients(model, batches, args, train_log)
             if args.grad_clip:
@@ -685,7 +698,7 @@ def train(
                     model, optimizer, scheduler, progress, train_log
                 )
                 agreement.saved()
-        if train_log.steps:  # the steps since the last line, at the epoch's end
+        if train_log.steps and not early:  # the steps since the last line
             log_line(progress, train_log, scheduler)
         log.info(f"Epoch {progress.epoch}: validation")
         results = validate(model, valid_loader, device, args, agreement)
@@ -698,6 +711,11 @@ def train(
             f"Epoch {progress.epoch}: val loss {progress.val_loss:.3f}, val accuracy "
             f"{progress.val_accuracy:.2%} on {progress.val_samples} samples"
         )
+        if early:
+            # The epoch is not done: a later run with a higher --max-steps, or none,
+            # goes on from this checkpoint, part-way through it, as after a signal.
+            checkpoint.save(model, optimizer, scheduler, progress, train_log)
+            return 0
         progress.epoch += 1
         progress.samples = 0
         checkpoint.save_in_background(model, optimizer, scheduler, progress, train_log)
@@ -1078,13 +1096,19 @@ class ResumableSampler(DistributedSampler):
         return max(self.num_samples - self.skip, 0)
 
 
-# The settings that shape training: a checkpoint written with others is another run's.
-# The number of processes is not one of them: a checkpoint resumes on any number.
-SETTINGS = (
-    "vocab_size", "seq_len", "dim", "heads", "layers", "synthetic_data",
-    "synthetic_size", "global_batch_size", "learning_rate", "warmup_steps",
-    "weight_decay", "grad_clip", "seed",
-)  # fmt: skip
+# The arguments that a resumed run may change: where things are, how often it logs and
+# saves, how long it trains, how fast. Every other one shapes training, your own
+# arguments included: a checkpoint written with another value of one belongs to another
+# run. The number of processes and --micro-batch-size are not among them: a checkpoint
+# resumes on any number of processes, on the same global batches.
+MAY_CHANGE_ON_RESUME = {
+    "epochs", "max_steps", "log_every", "data_dir", "num_workers", "rendezvous_timeout",
+    "checkpoint_dir", "checkpoint_every", "checkpoint_every_steps", "keep_checkpoints",
+    "max_restarts", "micro_batch_size", "peak_tflops",
+    "batch_size", "accumulation_steps",  # set by main.py from --micro-batch-size
+    # speed settings: the same training, faster
+    "bf16", "channels_last", "cudnn_benchmark", "pin_memory", "benchmark",
+}  # fmt: skip
 
 
 class Checkpoint:
@@ -1096,7 +1120,11 @@ class Checkpoint:
         self.root = args.checkpoint_dir
         self.keep = args.keep_checkpoints
         self.every_steps = args.checkpoint_every_steps
-        self.settings = {name: getattr(args, name) for name in SETTINGS}
+        self.settings = {
+            name: value
+            for name, value in sorted(vars(args).items())
+            if name not in MAY_CHANGE_ON_RESUME
+        }
         # The background saves' own group: their collectives run in a thread, on CPU
         # tensors, and must not mix with training's.
         self.group = dist.new_group(backend="gloo")

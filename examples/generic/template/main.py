@@ -443,6 +443,7 @@ def train(
     train_loader, valid_loader = loaders
     device = next(model.parameters()).device
     max_steps = math.inf if args.max_steps is None else args.max_steps
+    resumed = progress.steps > 0  # and so its DDP's buckets in their first order
     while progress.epoch < args.epochs and (
         progress.steps < max_steps or progress.batches
     ):
@@ -456,6 +457,11 @@ def train(
             if progress.steps >= max_steps:
                 early = True
                 break
+            if resumed:
+                first = next(batches)
+                batches = itertools.chain([first], batches)
+                order_buckets_as_before(model, *to_device(first, device), args)
+                resumed = False
             loss = accumulate_gradients(model, batches, args, train_log)
             optimizer.step()
             scheduler.step()
@@ -497,6 +503,29 @@ def train(
         agreement.saved()
         train_log.restart_clock()  # the next line counts training only
     return 0
+
+
+def order_buckets_as_before(model, inputs, target: Tensor, args):
+    """Makes a resumed run's DDP add up the gradients of the processes in the order
+    that an uninterrupted run's does, with one backward pass whose results are dropped.
+
+    DDP sums the gradients in buckets: in its first step in the order of the model's
+    parameters, from then on in the order that the first backward pass made them. A
+    resumed run's new DDP would sum its first step in the first order, where the
+    uninterrupted run uses the second. With 3 processes or more, the sums then round
+    differently, and training makes the difference grow. This pass records the second
+    order; what it changes besides (BatchNorm's statistics, random numbers drawn by
+    dropout, the gradients) is put back.
+    """
+    buffers = [buffer.clone() for buffer in model.module.buffers()]
+    device = target.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            loss = loss_fn(model(memory_layout(inputs, args)), target)
+        loss.backward()
+    for buffer, saved in zip(model.module.buffers(), buffers, strict=True):
+        buffer.copy_(saved)
+    model.zero_grad(set_to_none=True)
 
 
 class TrainLog:
