@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from other_model import MODEL_ARGS, write_language_model_template, write_token_files
 from slurm_lab import Lab, job_processes
 from smoke import (
     EXAMPLES,
@@ -266,6 +267,72 @@ def test_a_preempted_mila_job_resumes_exactly(lab, tmp_path):
         f"mila: preempted at step {stops[0]} of {mine[0]['steps']}: final state "
         "bitwise equal"
     )
+
+
+# The template's two sections, each on its own data: the image folder (cropped and
+# flipped at random; 8 steps an epoch on 4 ranks), and token files. Validation counts
+# the 25 images, or each of the 13 x 16 validation tokens, once.
+TEMPLATE_RUNS = {
+    "images": (
+        ("--model", "resnet18", "--image-size", "32", "--batch-size", "2"), 25
+    ),
+    "language_model": ((*MODEL_ARGS, "--batch-size", "4"), 13 * 16),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("section", TEMPLATE_RUNS)
+def test_the_template_requeued_resumes_exactly(lab, tmp_path, section):
+    # The template submitted from its folder with its own job.sh: with its image
+    # section, as it is; with the language model's section in place of it, as a reader
+    # makes it (other_model.py), on token files. 2 nodes x 2 tasks, 2 DataLoader workers
+    # each, accumulation. Requeued part-way through the first epoch, the job must end
+    # bitwise equal to the same job uninterrupted.
+    own_args, val_samples = TEMPLATE_RUNS[section]
+    folder = EXAMPLES_DIR / "generic" / "template"
+    if section == "language_model":
+        folder = write_language_model_template(tmp_path / "language_model")
+        data = write_token_files(tmp_path / "tokens", 340, val_sequences=13)
+        own_args = (*own_args, "--data-dir", str(data))
+    args = (
+        *own_args, "--accumulation-steps", "2", "--epochs", "2", "--warmup-steps", "4",
+        "--log-every", "5", "--num-workers", "2",
+    )  # fmt: skip
+
+    def submit_template(workdir: Path) -> str:
+        workdir.mkdir()
+        return lab.sbatch(
+            folder / "job.sh", *args, site="generic", workdir=workdir,
+            options=[f"--job-name={run_name(workdir)}", *EXACT_LAYOUT],
+            OMP_NUM_THREADS="1",
+        )  # fmt: skip
+
+    plain = submit_template(tmp_path / "plain")
+    job = submit_template(tmp_path / "requeued")
+    output = tmp_path / "requeued" / f"slurm-{job}.out"
+    wait_until(lambda: "epoch 0 step 5 |" in read(output), 180, "training")
+    time.sleep(random.uniform(0.1, 1.0))
+    subprocess.run(["scontrol", "requeue", job], env=lab.env(), check=True)
+    restart_when_requeued(lab, job, 1)
+    requeued = lab.wait(job, tmp_path / "requeued", timeout=300)
+    uninterrupted = lab.wait(plain, tmp_path / "plain", timeout=300)
+    assert uninterrupted.ok, uninterrupted.output
+    assert requeued.ok, requeued.output
+    stops = re.findall(
+        r"\[\d/4\] Stopped at step (\d+), checkpoint saved", requeued.output
+    )
+    assert len(stops) == EXACT_RANKS and len(set(stops)) == 1, requeued.output
+    assert re.search(rf"Resumed from \S+ at step {stops[0]}\b", requeued.output)
+    assert_bitwise_equal(
+        checkpoint_of(lab, tmp_path / "requeued"),
+        checkpoint_of(lab, tmp_path / "plain"),
+    )
+    mine = assert_same_summaries(requeued, uninterrupted, restarts=1)
+    summary = mine[0]
+    assert summary["finished"] and summary["last_loss"] < summary["first_loss"], mine
+    assert all(s["val_samples"] == val_samples for s in mine), mine
+    right = summary["val_accuracy"] * val_samples  # a share of tokens, or of images
+    assert abs(right - round(right)) < 1e-6, mine
+    print(f"{section}: requeued at step {stops[0]}: final state bitwise equal")
 
 
 def test_a_warned_fsdp_job_requeues_itself_and_resumes_exactly(lab, tmp_path):

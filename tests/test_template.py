@@ -3,15 +3,12 @@ variables it sets for libraries, its benchmark, the laptop command of the home p
 its speed settings, and a model of another kind swapped in through its reader's part."""
 
 import argparse
-import contextlib
-import dataclasses
 import difflib
 import json
 import os
 import pickle
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,24 +19,16 @@ import pytest
 import tinyimagenet
 import torch
 from other_model import (
-    MODEL_ARGS,
     section,
     write_language_model_template,
     write_token_files,
 )
 from page_text import page_command
 from smoke import (
-    EXAMPLES,
     EXAMPLES_DIR,
-    assert_bitwise_equal,
     base_env,
     check_run,
-    descendants,
-    load_checkpoint,
     load_main,
-    numbers,
-    run_example,
-    unwrapped,
 )
 
 NAME = "generic/template"
@@ -260,10 +249,11 @@ def test_the_adapt_pages_laptop_lines_stop_and_resume(tmp_path):
     output = again.stdout + again.stderr
     assert again.returncode == 0, output
     assert re.search(r"Resumed from \S+ at step \d+", output), output
-    summaries = [json.loads(s) for s in re.findall(r"^summary: (.*)$", output, re.M)]
+    # The 4 processes print at once: a line may hold more than one summary.
+    summaries = [json.loads(s) for s in re.findall(r"summary: (\{[^{}]*\})", output)]
     assert sorted(s["rank"] for s in summaries) == [0, 1, 2, 3], output
-    # 640 images, 4 processes of 8: 20 steps an epoch, 2 epochs.
-    assert all(s["finished"] and s["steps"] == 40 for s in summaries), summaries
+    # 320 images, 4 processes of 8: 10 steps an epoch, 2 epochs.
+    assert all(s["finished"] and s["steps"] == 20 for s in summaries), summaries
 
 
 def test_benchmark_reports_both_rates_for_each_row(tmp_path):
@@ -308,16 +298,6 @@ def test_benchmark_rows_turn_on_one_setting_each():
         example.parse_args(args)
 
 
-# The language model's section on token files: 170 training sequences of 16 tokens,
-# 13 validation ones; 2 DataLoader workers per rank, accumulation, and the GPU-only
-# settings that run on CPUs too, turned on.
-LANGUAGE_MODEL_ARGS = (
-    *MODEL_ARGS, "--batch-size", "4", "--accumulation-steps", "2", "--epochs", "2",
-    "--warmup-steps", "4", "--log-every", "5", "--num-workers", "2", "--channels-last",
-    "--cudnn-benchmark", "--pin-memory",
-)  # fmt: skip
-
-
 def test_the_language_model_section_is_all_a_reader_changes(tmp_path):
     folder = write_language_model_template(tmp_path / "lm")
     old = (EXAMPLES_DIR / NAME / "main.py").read_text().splitlines()
@@ -331,44 +311,6 @@ def test_the_language_model_section_is_all_a_reader_changes(tmp_path):
         if line.strip() and line not in image_section and line not in lm_section
     ]
     assert outside == ["import numpy as np"], outside
-
-
-def test_the_language_model_section_trains_counts_tokens_and_resumes_exactly(tmp_path):
-    folder = write_language_model_template(tmp_path / "lm")
-    data = write_token_files(tmp_path / "tokens", train_sequences=170, val_sequences=13)
-    # Each validation token is counted once: 13 sequences x 16 next tokens.
-    launch = dataclasses.replace(EXAMPLES[NAME], val_samples=13 * 16, dataset=None)
-
-    def run(checkpoints: str, **kwargs):
-        env = {"CHECKPOINT_DIR": str(tmp_path / checkpoints), "DATA_DIR": str(data)}
-        return run_example(
-            NAME, launch, LANGUAGE_MODEL_ARGS, env, folder=folder, **kwargs
-        )
-
-    plain = run("plain")
-    assert check_run(plain) == [], plain.output
-    summary = plain.summaries[0]
-    assert summary["finished"] and summary["last_loss"] < summary["first_loss"]
-    right = summary["val_accuracy"] * 13 * 16
-    assert abs(right - round(right)) < 1e-6  # a share of tokens, not of sequences
-
-    def stop_rank_1(procs, logs: list[Path]):
-        deadline = time.monotonic() + 120
-        while "epoch 0 step 5 |" not in logs[0].read_text():
-            assert time.monotonic() < deadline, logs[0].read_text()
-            time.sleep(0.05)
-        for pid in [procs[1].pid, *descendants(procs[1].pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-
-    stopped = run("stopped", while_running=stop_rank_1)
-    assert stopped.ok and "checkpoint saved" in stopped.output, stopped.output
-    resumed = run("stopped")
-    assert "Resumed from" in unwrapped(resumed.output), resumed.output
-    assert numbers(resumed.summaries) == numbers(plain.summaries)
-    assert_bitwise_equal(
-        load_checkpoint(tmp_path / "stopped"), load_checkpoint(tmp_path / "plain")
-    )
 
 
 def test_a_dataloader_worker_gets_the_token_files_path_not_its_tokens(
