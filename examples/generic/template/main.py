@@ -245,19 +245,12 @@ def main():
         if stopped_by == signal.SIGUSR1 and place.rank == 0:
             requeue(args.max_restarts)
         return
-    finished = progress.epoch == args.epochs
-    if not finished:
-        log.warning(
-            f"Stopped by --max-steps {args.max_steps} after step {progress.steps}, "
-            f"with {progress.epoch} of {args.epochs} epochs done: training is not "
-            "finished. To go on, run again under the same job name without --max-steps."
-        )
     # One plain line per process to grep from the job's output: the numbers agree.
     summary = {
         "rank": place.rank,
         "world_size": place.world_size,
         "host": socket.gethostname(),
-        "finished": finished,
+        "finished": progress.epoch == args.epochs,  # False after --max-steps
         **asdict(progress),
         "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
     }
@@ -496,12 +489,18 @@ def train(
             # The epoch is not done: a later run with a higher --max-steps, or none,
             # goes on from this checkpoint, part-way through it, as after a signal.
             checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
-            return 0
+            break
         progress.epoch += 1
         progress.batches = 0
         checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
         agreement.saved()
         train_log.restart_clock()  # the next line counts training only
+    if progress.epoch < args.epochs:
+        log.warning(
+            f"Stopped by --max-steps {args.max_steps} after step {progress.steps}, "
+            f"with {progress.epoch} of {args.epochs} epochs done: training is not "
+            "finished. To go on, run again under the same job name without --max-steps."
+        )
     return 0
 
 
