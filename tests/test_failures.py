@@ -285,13 +285,15 @@ def test_the_template_requeued_resumes_exactly(lab, tmp_path, section):
     # The template submitted from its folder with its own job.sh: with its image
     # section, as it is; with the language model's section in place of it, as a reader
     # makes it (other_model.py), on token files. 2 nodes x 2 tasks, 2 DataLoader workers
-    # each, accumulation. Requeued part-way through the first epoch, the job must end
+    # each, accumulation. Requeued part-way through training, the job must end
     # bitwise equal to the same job uninterrupted.
     own_args, val_samples = TEMPLATE_RUNS[section]
     folder = EXAMPLES_DIR / "generic" / "template"
     if section == "language_model":
         folder = write_language_model_template(tmp_path / "language_model")
-        data = write_token_files(tmp_path / "tokens", 340, val_sequences=13)
+        # 40 steps an epoch: a step takes milliseconds, and the requeue must come
+        # before the end.
+        data = write_token_files(tmp_path / "tokens", 1360, val_sequences=13)
         own_args = (*own_args, "--data-dir", str(data))
     args = (
         *own_args, "--accumulation-steps", "2", "--epochs", "2", "--warmup-steps", "4",
