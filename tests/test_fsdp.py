@@ -273,6 +273,54 @@ def test_a_killed_run_resumes_from_its_newest_checkpoint(tmp_path, uninterrupted
     print(f"killed after the checkpoint of step {step}: final state bitwise equal")
 
 
+# Makes the sync of a checkpoint file fail with ENOSPC, as a full disk or quota does
+# (tests/faults/sitecustomize.py).
+FAULTS = {"PYTHONPATH": str(Path(__file__).parent / "faults")}
+
+
+def test_a_background_save_that_fails_is_logged_and_the_next_one_saves(
+    tmp_path, uninterrupted
+):
+    # The save of step 10, written in the background, fails on every rank. Each logs
+    # its cause; training goes on; the save of step 15 is made; the run ends bitwise
+    # equal to one whose saves all worked, and leaves no part of the failed one.
+    env = {**FAULTS, "FAIL_SAVE": "step-00000010", "CHECKPOINT_DIR": str(tmp_path)}
+    run = run_example(NAME, layout(2), LONG_ARGS, env=env)
+    assert run.ok, run.output
+    for rank in (0, 1):
+        assert re.search(
+            rf"\[{rank}/2\] Could not save \S+step-00000010: .*No space left on device",
+            run.output,
+        ), run.output
+    saved = re.findall(r"Saved \S+-step-(\d+)", run.output)
+    assert "00000010" not in saved and "00000015" in saved, saved
+    assert not list(tmp_path.glob("*.tmp")), "a failed save left a folder behind"
+    plain, plain_checkpoints = uninterrupted
+    assert numbers(run.summaries) == numbers(plain.summaries)
+    assert_bitwise_equal(
+        load_sharded_checkpoint(tmp_path), load_sharded_checkpoint(plain_checkpoints)
+    )
+
+
+def test_a_save_replaces_a_damaged_checkpoint_of_its_name(tmp_path):
+    # A run saves at steps 5 and 10, then the checkpoint of step 10 loses a file. The
+    # next run passes over it, resumes from step 5, and saves step 10 again: the new
+    # save must replace the damaged folder, not be dropped for it.
+    env = {"CHECKPOINT_DIR": str(tmp_path)}
+    args = (*LONG_ARGS, "--max-steps", "10")
+    first = run_example(NAME, layout(2), args, env=env)
+    assert first.ok, first.output
+    damaged = load_main(NAME).readable_checkpoint(tmp_path)
+    assert damaged.name.endswith("step-00000010"), damaged
+    (damaged / "__1_0.distcp").unlink()
+    again = run_example(NAME, layout(2), args, env=env)
+    assert again.ok, again.output
+    assert f"Passing over {damaged}, which lacks __1_0.distcp" in again.output
+    assert "at step 5" in again.output
+    assert f"Replacing {damaged}, which lacks __1_0.distcp" in again.output
+    assert load_main(NAME).missing_files(damaged) == []
+
+
 def test_a_trial_with_max_steps_is_continued_by_the_real_run(tmp_path, uninterrupted):
     # --max-steps stops part-way, as a signal would, and says so; a run without it in
     # the same folder goes on to the end, bitwise as the uninterrupted run.

@@ -7,9 +7,11 @@ tests (test_failures.py) do the same through real requeues.
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
+import resource
 import signal
 import time
 from pathlib import Path
@@ -265,3 +267,94 @@ def test_a_save_that_the_clock_asks_for_is_made_once(tmp_path):
     saved = re.findall(r"Saved \S+/step-(\d+)\.pt", unwrapped(run.output))
     # The last save is --max-steps's, after the periodic one of step 12.
     assert [int(step) for step in saved] == [2, 4, 6, 8, 10, 12, 12], run.output
+
+
+# Makes the sync of a checkpoint file fail with ENOSPC, as a full disk or quota does
+# (tests/faults/sitecustomize.py): FAIL_SAVE names the files, FAIL_SAVE_TIMES how often.
+FAULTS = {"PYTHONPATH": str(Path(__file__).parent / "faults")}
+# Step 4, 2 processes, saving every 4 steps and at the end of 2 epochs of 12 steps.
+SAVING = (
+    "--synthetic-data", "--synthetic-size", "200", "--synthetic-classes", "4",
+    "--model", "resnet18", "--image-size", "16", "--batch-size", "8", "--epochs", "2",
+    "--warmup-steps", "4", "--log-every", "4", "--checkpoint-every-steps", "4",
+)  # fmt: skip
+
+
+def test_a_save_that_fails_is_logged_and_the_next_one_saves(tmp_path):
+    # Step 4's saves, which rank 0 makes while the others wait (the Mila step's and
+    # the template's are the same, byte for byte): the save of step 8 fails once. The
+    # failure is logged with its cause, training goes on, the save of step 12 is made,
+    # and the run ends as one whose saves all worked.
+    name = "generic/checkpointing"
+    plain = run_example(
+        name, EXAMPLES[name], SAVING, env={"CHECKPOINT_DIR": str(tmp_path / "plain")}
+    )
+    assert plain.ok, plain.output
+    env = {**FAULTS, "FAIL_SAVE": "step-00000008", "CHECKPOINT_DIR": str(tmp_path)}
+    run = run_example(name, EXAMPLES[name], SAVING, env=env)
+    assert run.ok, run.output
+    text = unwrapped(run.output)
+    assert re.search(
+        r"\[0/2\] Could not save \S+/step-00000008\.pt: \[Errno 28\] No space left",
+        text,
+    ), text
+    saved = [int(step) for step in re.findall(r"Saved \S+/step-(\d+)\.pt", text)]
+    assert 8 not in saved and 12 in saved, saved
+    assert not list(tmp_path.glob("*.tmp")), "a failed save left a file behind"
+    assert numbers(run.summaries) == numbers(plain.summaries)
+    assert_bitwise_equal(load_checkpoint(tmp_path), load_checkpoint(tmp_path / "plain"))
+
+
+def test_saves_that_keep_failing_stop_the_job_and_keep_the_checkpoints(tmp_path):
+    # A disk that stays full from step 8 on: after --max-failed-saves failures in a
+    # row (steps 8 and 12), every rank stops with the folder and the cause. The
+    # checkpoint saved before is still there and loads.
+    name = "generic/checkpointing"
+    env = {**FAULTS, "FAIL_SAVE": r"step-0000000[89]|step-000000[1-9]",
+           "FAIL_SAVE_TIMES": "all", "CHECKPOINT_DIR": str(tmp_path)}  # fmt: skip
+    args = (*SAVING, "--max-failed-saves", "2")
+    run = run_example(name, EXAMPLES[name], args, env=env)
+    assert run.returncodes == [1, 1], run.output
+    assert not run.summaries
+    text = unwrapped(run.output)
+    assert text.count(
+        f"error: 2 checkpoints in a row could not be saved, the last one to "
+        f"{tmp_path}/step-00000012.pt: [Errno 28] No space left on device. Free space "
+        f"in {tmp_path}"
+    ) == 2, text  # fmt: skip
+    assert newest_checkpoint(tmp_path).name == "step-00000004.pt"
+    assert load_checkpoint(tmp_path)["progress"]["steps"] == 4
+
+
+# Every process of a job holds sockets to its peers (gloo's, under
+# TORCH_GLOO_LAZY_INIT=1, only to those it exchanges data with) and to the rendezvous.
+SIXTEEN = dataclasses.replace(
+    EXAMPLES["generic/checkpointing"], launcher="torchrun", nodes=1, procs_per_task=16,
+    dataset=None,
+)  # fmt: skip
+TINY = (
+    "--synthetic-data", "--synthetic-size", "64", "--synthetic-classes", "4",
+    "--model", "resnet18", "--image-size", "8", "--batch-size", "2", "--epochs", "1",
+    "--max-steps", "1", "--warmup-steps", "1", "--log-every", "1",
+)  # fmt: skip
+# An open-file limit that 16 processes, each connected to every other by two gloo
+# groups (the main one on CPUs, and the stop agreement's), ran out of.
+LOW_LIMIT = 40
+
+
+@pytest.mark.timeout(600)
+def test_sixteen_processes_run_within_a_low_open_file_limit(tmp_path):
+    name = "generic/checkpointing"
+    env = {**COUNTING, "CHECKPOINT_DIR": str(tmp_path)}
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (LOW_LIMIT, hard))
+    try:  # torchrun and its 16 processes get the limit
+        run = run_example(name, SIXTEEN, TINY, env=env, timeout=500)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert run.ok, run.output
+    assert len(run.summaries) == 16, run.output
+    sockets = [record["sockets"] for record in collectives(run.output)]
+    # Connected to all, a process would hold 15 sockets for each gloo group.
+    assert len(sockets) == 16 and max(sockets) < 15, sockets
+    print(f"sockets per process at 16 processes: {sorted(sockets)}")

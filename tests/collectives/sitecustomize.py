@@ -3,8 +3,9 @@
 Python imports this module at start-up from a folder on PYTHONPATH. It wraps the
 collectives of torch.distributed (the functions main.py calls by name) with counters, by
 group: "default" for the group every process joins, "own" for a group main.py makes.
-At exit, each process prints one line, `collectives: {...}`, with the counts and the
-devices of the tensors sent over its own groups.
+At exit, each process prints one line, `collectives: {...}`, with the counts, the
+devices of the tensors sent over its own groups, and the sockets the process held when
+main.py ended its process group (its groups' connections and its store's).
 
 With COUNT_CUDA_SYNCS=1 on a GPU, it also counts the times the process waited for the
 GPU (torch.cuda.set_sync_debug_mode), as `cuda_syncs`.
@@ -15,6 +16,7 @@ Used by test_the_stop_agreement_adds_no_collective_to_the_default_group
 
 import atexit
 import collections
+import contextlib
 import functools
 import inspect
 import json
@@ -68,6 +70,28 @@ if main_py and os.environ.get("COUNT_CUDA_SYNCS") == "1" and torch.cuda.is_avail
 
     warnings.showwarning = note_sync
     warnings.simplefilter("always")
+
+
+def open_sockets() -> int:
+    """The sockets among this process's open files."""
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        # The listing's own file descriptor is closed by now: no link to read.
+        with contextlib.suppress(OSError):
+            found += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return found
+
+
+destroy = dist.destroy_process_group
+
+
+@functools.wraps(destroy)
+def destroy_and_count(*args, **kwargs):
+    counts["sockets"] = open_sockets()
+    return destroy(*args, **kwargs)
+
+
+dist.destroy_process_group = destroy_and_count
 
 
 @atexit.register

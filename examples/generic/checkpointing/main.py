@@ -297,6 +297,12 @@ def parse_args(argv=None):
         help="the newest checkpoints kept; older ones are deleted",
     )
     parser.add_argument(
+        "--max-failed-saves",
+        type=positive,
+        default=3,
+        help="stop the job after this many checkpoints in a row fail to save",
+    )
+    parser.add_argument(
         "--max-restarts",
         type=int,
         default=20,
@@ -686,7 +692,7 @@ class ResumableSampler(DistributedSampler):
 MAY_CHANGE_ON_RESUME = {
     "epochs", "max_steps", "log_every", "data_dir", "num_workers", "rendezvous_timeout",
     "checkpoint_dir", "checkpoint_every", "checkpoint_every_steps", "keep_checkpoints",
-    "max_restarts",
+    "max_failed_saves", "max_restarts",
 }  # fmt: skip
 
 
@@ -703,19 +709,22 @@ class Checkpoint:
             for name, value in sorted(vars(args).items())
             if name not in MAY_CHANGE_ON_RESUME
         }
+        self.max_failures, self.failures = args.max_failed_saves, 0
 
     def due(self, steps: int) -> bool:
         """Whether --checkpoint-every-steps asks for a save after `steps` steps."""
         return self.every_steps is not None and steps % self.every_steps == 0
 
     def save(self, model, optimizer, scheduler, progress, train_log):
-        """Writes a checkpoint, with each rank's random state and unlogged losses."""
+        """Writes a checkpoint, with each rank's random state and unlogged losses. If
+        the write fails, training goes on from the same state: see failed()."""
         mine = {"cpu_rng": torch.get_rng_state(), "losses": train_log.total.cpu()}
         mine["losses_steps"] = train_log.steps
         if use_gpus():
             mine["cuda_rng"] = torch.cuda.get_rng_state()
         ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, ranks, dst=0)
+        error = None
         if dist.get_rank() == 0:
             begin = time.perf_counter()
             state = {
@@ -727,17 +736,36 @@ class Checkpoint:
                 "ranks": ranks,
             }
             path = self.root / f"step-{progress.steps:08d}.pt"
-            save_atomically(state, path)
-            # Only now, with the new one on disk, the oldest go. A file that cannot be
-            # deleted (in use over NFS, say) stays, and is tried again at the next save.
-            for older in checkpoints(self.root)[: -self.keep]:
-                try:
-                    older.unlink()
-                except OSError as error:
-                    log.warning(f"Could not delete {older}: {error}")
-            log.info(f"Saved {path} in {time.perf_counter() - begin:.1f} s")
-        # No rank goes on, or exits, before the file is complete.
-        dist.barrier()
+            try:
+                save_atomically(state, path)
+            except OSError as failure:  # a full disk or quota, storage gone for a while
+                error = f"{path}: {failure}"
+                log.warning(f"Could not save {error}")
+            else:
+                # Only now, with the new one on disk, the oldest go. One that cannot be
+                # deleted (in use over NFS, say) stays, and the next save tries again.
+                for older in checkpoints(self.root)[: -self.keep]:
+                    try:
+                        older.unlink()
+                    except OSError as failure:
+                        log.warning(f"Could not delete {older}: {failure}")
+                log.info(f"Saved {path} in {time.perf_counter() - begin:.1f} s")
+        # No rank goes on, or exits, before the file is complete, or has failed.
+        outcome = [error]
+        dist.broadcast_object_list(outcome, src=0)
+        self.failed(outcome[0])
+
+    def failed(self, error: str | None):
+        """Counts the saves that failed in a row. Training goes on after one: the
+        checkpoints before it are still there, and the next save tries again. After
+        --max-failed-saves of them, stops the job, for a person to look."""
+        self.failures = 0 if error is None else self.failures + 1
+        if self.failures >= self.max_failures:
+            raise SystemExit(
+                f"error: {self.failures} checkpoints in a row could not be saved, "
+                f"the last one to {error}. Free space in {self.root} or fix what the "
+                "error names, then resubmit: the run resumes from its last checkpoint."
+            )
 
     def load(self, model, optimizer, scheduler, progress, train_log):
         """Restores the newest checkpoint, if any, with this rank's own state."""
@@ -820,12 +848,16 @@ def save_atomically(state: dict, path: Path):
     """Writes `state` to `path` so that a reader finds the old file or the new."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        # On disk before the rename, so that a crash of the
-        # node cannot leave an empty file.
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            # On disk before the rename, so that a crash of the
+            # node cannot leave an empty file.
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write: no part of a file left behind
+        raise
     # A rename within one folder replaces the old file in one step.
     os.replace(tmp, path)
     # The rename is a change to the folder: on disk too, or a crash can undo it.
@@ -881,6 +913,11 @@ def setup(rendezvous_timeout: float = 120) -> Place:
         LOCAL_RANK=str(place.local_rank),
         WORLD_SIZE=str(place.world_size),
     )
+    # A gloo group (on CPUs, the main one; on GPUs, those made for side tasks) connects
+    # a process to a peer only once they exchange data: with a ring, 2 peers. Connected
+    # to all at its start, it would hold a socket per process, 511 at 512 processes,
+    # and the usual limit is 1,024 open files.
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
     if launcher == "torchrun":
         # torchrun's rendezvous is done: env:// meets its store.

@@ -418,6 +418,12 @@ def parse_args(argv=None):
         help="the newest checkpoints kept; older ones are deleted",
     )
     parser.add_argument(
+        "--max-failed-saves",
+        type=positive,
+        default=3,
+        help="stop the job after this many checkpoints in a row fail to save",
+    )
+    parser.add_argument(
         "--max-restarts",
         type=int,
         default=20,
@@ -1103,7 +1109,7 @@ class ResumableSampler(DistributedSampler):
 MAY_CHANGE_ON_RESUME = {
     "epochs", "max_steps", "log_every", "data_dir", "num_workers", "rendezvous_timeout",
     "checkpoint_dir", "checkpoint_every", "checkpoint_every_steps", "keep_checkpoints",
-    "max_restarts", "micro_batch_size", "peak_tflops",
+    "max_failed_saves", "max_restarts", "micro_batch_size", "peak_tflops",
     "batch_size", "accumulation_steps",  # set by main.py from --micro-batch-size
     # speed settings: the same training, faster
     "bf16", "channels_last", "cudnn_benchmark", "pin_memory", "benchmark",
@@ -1129,6 +1135,7 @@ class Checkpoint:
         self.group = dist.new_group(backend="gloo")
         self.under_way = None  # the background save: its future, and rank 0's thread
         self.error = None  # what failed in that thread
+        self.max_failures, self.failures = args.max_failed_saves, 0
 
     def due(self, steps: int) -> bool:
         """Whether --checkpoint-every-steps asks for a save after `steps` steps."""
@@ -1171,31 +1178,57 @@ class Checkpoint:
                 target=self.finish, args=(future, path, state, begin)
             )
             finisher.start()
-        self.under_way = (future, finisher)
+        self.under_way = (future, finisher, path)
 
     def finish(self, future, path, state, begin):
         """Rank 0, in a thread: completes the checkpoint once every rank's shards are
-        written. What fails is raised by wait()."""
+        written. What fails is for wait() to report."""
         try:
             future.result()
             finish_checkpoint(path, state, self.keep)
             log.info(f"Saved {path} in {time.perf_counter() - begin:.1f} s")
-        except BaseException as error:
+        except (Exception, dcp.CheckpointException) as error:
             self.error = error
 
     def wait(self):
-        """Waits for the save under way, if any, to be complete on disk."""
+        """Waits for the save under way, if any, to be complete on disk, or to have
+        failed on some rank: then training goes on, as failed() says."""
         if self.under_way is None:
             return
-        future, finisher = self.under_way
+        future, finisher, path = self.under_way
         self.under_way = None
-        future.result()  # this rank's shards written
+        try:
+            future.result()  # this rank's shards written
+        except (Exception, dcp.CheckpointException) as error:  # a full disk, say
+            self.error = error
         if finisher is not None:
             finisher.join()
-            if self.error is not None:
-                raise self.error
-        # No rank goes on, or exits, before the checkpoint is complete.
-        dist.barrier(self.group)
+        error, self.error = self.error, None
+        if isinstance(error, dcp.CheckpointException):
+            # The same on every rank, with each failed rank's error: keep this one's.
+            error = error.failures.get(dist.get_rank(), [None])[0]
+        if error is not None:
+            log.warning(f"Could not save {path}: {error}")
+        # No rank goes on, or exits, before the checkpoint is complete; all learn the
+        # errors of any rank's part.
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error and str(error), group=self.group)
+        error = next((f"{path}: {e}" for e in errors if e is not None), None)
+        if error is not None and dist.get_rank() == 0:
+            shutil.rmtree(path.with_name(path.name + ".tmp"), ignore_errors=True)
+        self.failed(error)
+
+    def failed(self, error: str | None):
+        """Counts the saves that failed in a row. Training goes on after one: the
+        checkpoints before it are still there, and the next save tries again. After
+        --max-failed-saves of them, stops the job, for a person to look."""
+        self.failures = 0 if error is None else self.failures + 1
+        if self.failures >= self.max_failures:
+            raise SystemExit(
+                f"error: {self.failures} checkpoints in a row could not be saved, "
+                f"the last one to {error}. Free space in {self.root} or fix what the "
+                "error names, then resubmit: the run resumes from its last checkpoint."
+            )
 
     def load(self, model, optimizer, scheduler, progress, train_log):
         """Restores the latest checkpoint, if there is one, whatever the number of
@@ -1302,11 +1335,17 @@ def finish_checkpoint(path: Path, state: dict, keep: int):
     deletes all but the newest `keep` checkpoints. Rank 0 alone calls it."""
     partial = path.with_name(path.name + ".tmp")
     save_atomically(state, partial / "progress.pt")
-    if path.exists():
+    if path.exists() and not missing_files(path):
         # The same epoch and step, saved before: a run resumed from it and stopped
         # again before a step. Nothing has changed since.
         shutil.rmtree(partial)
     else:
+        if path.exists():
+            # Damaged: load() passed over it, for an earlier one. The new one replaces
+            # it, or a run resumed again would pass over it again.
+            missing = ", ".join(missing_files(path))
+            log.warning(f"Replacing {path}, which lacks {missing}")
+            shutil.rmtree(path)
         # A rename within one folder is a single step: readers see the whole folder, or
         # none. Synced, as save_atomically() syncs its rename.
         os.rename(partial, path)
@@ -1351,12 +1390,16 @@ def save_atomically(state: dict, path: Path):
     """Writes `state` to `path` so that a reader finds the old file or the new."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        # On disk before the rename, so that a crash of the
-        # node cannot leave an empty file.
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            # On disk before the rename, so that a crash of the
+            # node cannot leave an empty file.
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write: no part of a file left behind
+        raise
     # A rename within one folder replaces the old file in one step.
     os.replace(tmp, path)
     # The rename is a change to the folder: on disk too, or a crash can undo it.
@@ -1412,6 +1455,11 @@ def setup(rendezvous_timeout: float = 120) -> Place:
         LOCAL_RANK=str(place.local_rank),
         WORLD_SIZE=str(place.world_size),
     )
+    # A gloo group (on CPUs, the main one; on GPUs, those made for side tasks) connects
+    # a process to a peer only once they exchange data: with a ring, 2 peers. Connected
+    # to all at its start, it would hold a socket per process, 511 at 512 processes,
+    # and the usual limit is 1,024 open files.
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
     if launcher == "torchrun":
         # torchrun's rendezvous is done: env:// meets its store.

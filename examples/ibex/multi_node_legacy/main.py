@@ -428,6 +428,11 @@ def setup(rendezvous_timeout: float = 120) -> Place:
         LOCAL_RANK=str(place.local_rank),
         WORLD_SIZE=str(place.world_size),
     )
+    # A gloo group (on CPUs, the main one; on GPUs, those made for side tasks) connects
+    # a process to a peer only once they exchange data: with a ring, 2 peers. Connected
+    # to all at its start, it would hold a socket per process, 511 at 512 processes,
+    # and the usual limit is 1,024 open files.
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
     if launcher == "torchrun":
         # torchrun's rendezvous is done: env:// meets its store.
