@@ -418,46 +418,86 @@ def test_a_cancelled_job_resumes_when_resubmitted(lab, tmp_path, exact_twin):
     )
 
 
-def test_a_crashed_job_resumes_from_its_last_periodic_checkpoint(
-    lab, tmp_path, exact_twin
-):
-    # A node crash, an OOM kill, a GPU error: no signal, no handler, nothing saved at
-    # the end. SIGKILL to every rank of the job at an unplanned step, once a periodic
-    # checkpoint is on disk. Resubmitted, the job resumes from the newest checkpoint
-    # and ends bitwise equal to the twin, which saved at the same steps uninterrupted.
+def kill_a_rank_after_a_save(lab: Lab, job: str, output: Path, saves: int) -> int:
+    """SIGKILL to rank 1 at an unplanned step once the job's output holds `saves`
+    saves, as an out-of-memory kill or a GPU error ends a process: no signal to catch,
+    nothing saved at the end. Returns the step of the newest checkpoint."""
+    saved = re.compile(r"Saved \S+/step-(\d+)\.pt")
+    wait_until(
+        lambda: len(saved.findall(read(output))) >= saves, 120, f"save number {saves}"
+    )
+    time.sleep(random.uniform(0.1, 1.5))
+    os.kill(wait_until(lambda: find_rank(job, 1), 30, "rank 1"), signal.SIGKILL)
+    return max(int(step) for step in saved.findall(read(output)))
+
+
+def wait_for_requeue(lab: Lab, job: str, restarts: int):
+    """Waits until the job is back in the queue by itself after a crash."""
+    wait_until(
+        lambda: (
+            lab.job_info(job).get("JobState") == "PENDING"
+            and lab.job_info(job).get("Restarts") == str(restarts)
+        ),
+        FAIL_FAST,
+        f"requeue number {restarts}",
+    )
+
+
+@pytest.mark.every_version
+@pytest.mark.since_slurm("24.11")
+def test_a_crashed_job_requeues_itself_and_resumes_exactly(lab, tmp_path, exact_twin):
+    # One rank killed once a periodic checkpoint is on disk: srun fails, and job.sh
+    # puts the job back in the queue. It resumes from the newest checkpoint and ends
+    # bitwise equal to the twin, which saved at the same steps uninterrupted.
     name = "generic/checkpointing"
     workdir = tmp_path / "run"
-    first = submit(lab, name, *EXACT_RUN, workdir=workdir, options=EXACT_LAYOUT)
-    output = workdir / f"slurm-{first}.out"
-    saved = re.compile(r"Saved \S+/step-(\d+)\.pt")
-    wait_until(lambda: saved.search(read(output)), 120, "a periodic checkpoint")
-    time.sleep(random.uniform(0.1, 1.5))
-    ranks = [find_rank(first, rank) for rank in range(EXACT_RANKS)]
-    assert None not in ranks, job_processes(first)
-    for pid in ranks:
-        os.kill(pid, signal.SIGKILL)
-    crashed = lab.wait(first, workdir, timeout=FAIL_FAST)
-    assert crashed.state == "FAILED", crashed.output
-    assert "checkpoint saved" not in crashed.output, crashed.output
+    job = submit(lab, name, *EXACT_RUN, workdir=workdir, options=EXACT_LAYOUT)
+    output = workdir / f"slurm-{job}.out"
+    kill_a_rank_after_a_save(lab, job, output, saves=1)
+    wait_for_requeue(lab, job, restarts=1)
+    crashed = read(output)
+    assert "requeueing the job to resume from its last checkpoint (failure 1 of the 3" \
+        in unwrapped(crashed), crashed  # fmt: skip
+    assert "checkpoint saved" not in crashed, crashed
     # The newest on disk: a periodic checkpoint, or the one at an epoch's end if the
     # kill came after it (read from the folder: a kill can come between a save's rename
     # and its log line).
     folder = lab.state / "scratch" / "checkpoints" / run_name(workdir)
     newest = int(newest_checkpoint(folder).stem.removeprefix("step-"))
-    logged = max(int(step) for step in saved.findall(crashed.output))
-    assert newest >= logged > 0, crashed.output
-
-    again = submit(lab, name, *EXACT_RUN, workdir=workdir, options=EXACT_LAYOUT)
-    resubmitted = lab.wait(again, workdir, timeout=300)
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job}", "StartTime=now"],
+        env=lab.env(), check=True,
+    )  # fmt: skip
+    resumed = lab.wait(job, workdir, timeout=300)
     uninterrupted, plain = exact_twin()
-    assert resubmitted.ok, resubmitted.output
+    assert resumed.ok, resumed.output
     assert uninterrupted.ok, uninterrupted.output
-    assert re.search(rf"Resumed from \S+ at step {newest}\b", resubmitted.output)
+    assert re.search(rf"Resumed from \S+ at step {newest}\b", resumed.output)
     assert_bitwise_equal(checkpoint_of(lab, workdir), checkpoint_of(lab, plain))
-    assert numbers(parse_summaries(resubmitted.output)) == numbers(
-        parse_summaries(uninterrupted.output)
-    )
-    print(f"killed after the checkpoint of step {newest}: final state bitwise equal")
+    assert_same_summaries(resumed, uninterrupted, restarts=1)
+    print(f"killed after the checkpoint of step {newest}: requeued, final state equal")
+
+
+def test_a_job_that_crashes_every_time_stops_at_its_budget(lab, tmp_path):
+    # CRASH_RESTARTS=1: the first crash after a checkpoint requeues the job; the second
+    # ends it FAILED, with the count and the way on.
+    name = "generic/checkpointing"
+    job = submit(lab, name, *LONG_RUN, "--checkpoint-every-steps", "4",
+                 workdir=tmp_path, CRASH_RESTARTS="1")  # fmt: skip
+    output = tmp_path / f"slurm-{job}.out"
+    kill_a_rank_after_a_save(lab, job, output, saves=1)
+    restart_when_requeued(lab, job, restarts=1)
+    wait_until(lambda: "Resumed from" in read(output), 120, "the second run")
+    kill_a_rank_after_a_save(lab, job, output, saves=2)
+    ended = lab.wait(job, tmp_path, timeout=FAIL_FAST)
+    assert ended.state == "FAILED", ended.output
+    assert lab.job_info(job).get("Restarts") == "1"
+    folder = lab.state / "scratch" / "checkpoints" / run_name(tmp_path)
+    assert (
+        "failure 2 of this job, over CRASH_RESTARTS=1: the job is not requeued. The "
+        f"cause is in the output above. Fix it, then resubmit: the job resumes from "
+        f"its checkpoint in {folder}"
+    ) in unwrapped(ended.output), ended.output
 
 
 # ------------------------------------------------------------
@@ -484,6 +524,10 @@ def test_a_killed_rank_ends_the_whole_job_at_once(lab, tmp_path):
     # The other ranks failed in their next collective and exited by themselves: none
     # waited for Slurm's SIGKILL, KillWait (30 s) after srun ended the step.
     assert re.findall(r"tasks? (\S+): Killed", job.output) == ["1"], job.output
+    # Killed before the run's first checkpoint: job.sh does not requeue it.
+    assert "before this run saved a checkpoint: the job is not requeued" in unwrapped(
+        job.output
+    ), job.output
     print(f"rank 1 killed: the job ended in {took:.1f} s")
 
 

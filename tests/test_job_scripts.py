@@ -32,8 +32,10 @@ def test_shellcheck_passes(script):
 @pytest.mark.parametrize("script", JOB_SCRIPTS, ids=IDS)
 def test_arguments_reach_main_py(script):
     # The smoke and trial runs pass their switches through `sbatch job.sh ARGS`: the
-    # line that starts main.py ends with "$@".
-    assert re.search(r'^\s*(\S.*\s)?main\.py\b.*"\$@"( &)?$', script.read_text(), re.M)
+    # line that starts main.py ends with "$@" (then "&", or "&&" where job.sh goes on
+    # after a failure).
+    line = r'^\s*(\S.*\s)?main\.py\b.*"\$@"( &&?)?$'
+    assert re.search(line, script.read_text(), re.M)
 
 
 def node_launcher_steps(text: str) -> list[str]:

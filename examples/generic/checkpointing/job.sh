@@ -62,6 +62,11 @@ export PYTHONFAULTHANDLER=1
 # The processes get their parallelism from DataLoader workers and the GPU; one OpenMP
 # thread each keeps them from crowding the task's CPUs.
 export OMP_NUM_THREADS=1
+# Each process holds open files: its connections to the other processes and to the
+# rendezvous, its DataLoader workers' pipes. The limit per process that the job got
+# from the shell that submitted it is often 1,024: raise it to the most the site
+# allows. srun passes it on to the tasks.
+ulimit -n "$(ulimit -Hn)"
 
 # Where the processes meet to form the process group: the job's first node, which
 # every node reaches by name, on a port derived from the job ID, so that two jobs
@@ -79,4 +84,33 @@ export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 # to 23.02 do not.
 # --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
 # otherwise wait for it in their next collective until a timeout.
-srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@"
+# A mark of this start's time: a checkpoint newer than it is this run's own.
+touch "$CHECKPOINT_DIR/started"
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@" &&
+    exit 0
+
+# --- srun failed: a task crashed, or stopped on an error ------------------------------
+# A process killed for want of memory, a GPU or network error, a node lost: requeue the
+# job to resume from its last checkpoint, if this run saved one (a failure before that
+# is most often a setting to fix, and would come again), at most CRASH_RESTARTS times
+# per job. 0: never (`sbatch --export=ALL,CRASH_RESTARTS=0 job.sh`).
+status=$?
+echo "job $SLURM_JOB_ID: srun exited with status $status" >>"$CHECKPOINT_DIR/crashes"
+crashes=$(grep -c "^job $SLURM_JOB_ID:" "$CHECKPOINT_DIR/crashes")
+saved=$(find "$CHECKPOINT_DIR" -maxdepth 1 -name "*step-*" ! -name "*.tmp" \
+    -newer "$CHECKPOINT_DIR/started")
+if [[ -n $saved ]] && ((crashes <= ${CRASH_RESTARTS:-3})); then
+    echo "srun exited with status $status: requeueing the job to resume from its last" \
+        "checkpoint (failure $crashes of the ${CRASH_RESTARTS:-3} allowed)" >&2
+    # Slurm ends this script as it requeues the job.
+    scontrol requeue "$SLURM_JOB_ID" && sleep 600
+fi
+if [[ -z $saved ]]; then
+    why="before this run saved a checkpoint"
+else
+    why="failure $crashes of this job, over CRASH_RESTARTS=${CRASH_RESTARTS:-3}"
+fi
+echo "error: srun exited with status $status, $why: the job is not requeued. The" \
+    "cause is in the output above. Fix it, then resubmit: the job resumes from its" \
+    "checkpoint in $CHECKPOINT_DIR, if it has one." >&2
+exit "$status"
