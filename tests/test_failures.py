@@ -709,6 +709,30 @@ def test_the_template_without_its_dataset_archive_stops_before_srun(lab, tmp_pat
     assert len(parse_summaries(tried.output)) == 2, tried.output
 
 
+def test_the_template_stops_before_unpacking_into_too_small_a_disk(lab, tmp_path):
+    # An archive larger than the nodes' free space (a sparse file of 4 TiB, which takes
+    # no room): each node checks its own disk, and the job stops before tar fills it.
+    name = "generic/template"
+    archive = lab.state / "scratch" / "data" / "imagenet.tar"
+    hidden = archive.with_name("imagenet.tar.away")
+    archive.rename(hidden)
+    try:
+        with open(archive, "wb") as f:
+            f.truncate(4 << 40)
+        job_id = submit(lab, name, *EXAMPLES[name].args, workdir=tmp_path)
+        job = timed_job(lab, job_id, tmp_path, "too small a disk")
+    finally:
+        archive.unlink(missing_ok=True)
+        hidden.rename(archive)
+    for node in ("cn1", "cn2"):
+        assert re.search(
+            rf"error: {node}: \S+/imagenet has \d+ GiB free, and the dataset needs "
+            r"4096 GiB: set local_disk in job.sh to a larger disk",
+            unwrapped(job.output),
+        ), job.output
+    assert "Running on" not in job.output
+
+
 def test_a_job_given_gpus_that_cuda_cannot_use_fails_fast(lab, tmp_path):
     # The lab's GPUs are stand-ins, as unusable to CUDA as GPUs
     # behind a too-old driver. Without TRAIN_ON_CPU=1, which the

@@ -95,10 +95,25 @@ if [[ " $* " != *" --synthetic-data "* ]]; then
         exit 1
     fi
     start=$SECONDS
-    # The single quotes: each task's shell reads the two exported variables itself.
+    # The single quotes: each task's shell reads the two exported variables itself,
+    # and checks its own node's disk first. An uncompressed archive unpacks to about
+    # its own size. A folder in memory (tmpfs) holds it in the node's memory.
     # shellcheck disable=SC2016
-    srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" \
-        bash -c 'mkdir -p "$DATA_DIR" && tar -xf "$DATA_ARCHIVE" -C "$DATA_DIR"'
+    srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" bash -c '
+        mkdir -p "$DATA_DIR" || exit 1
+        need=$(stat -c %s "$DATA_ARCHIVE")
+        free=$(df --output=avail -B1 "$DATA_DIR" | tail -n 1)
+        if ((free < need)); then
+            echo "error: $(hostname): $DATA_DIR has $((free >> 30)) GiB free, and the" \
+                "dataset needs $((need >> 30)) GiB: set local_disk in job.sh to a" \
+                "larger disk, or read the dataset where it is" >&2
+            exit 1
+        fi
+        if [[ $(stat -f -c %T "$DATA_DIR") == tmpfs ]]; then
+            echo "$(hostname): $DATA_DIR is in memory: the dataset takes" \
+                "$((need >> 30)) GiB of the memory the job asked for" >&2
+        fi
+        tar -xf "$DATA_ARCHIVE" -C "$DATA_DIR"'
     echo "Unpacked the dataset in $DATA_DIR on every node in $((SECONDS - start)) s."
 fi
 
