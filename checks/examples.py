@@ -1,7 +1,9 @@
 """ReFrame checks of the guide's examples: each job.sh, submitted as a reader copies it.
 
 One check per example folder (examples/<cluster>/<name>/job.sh): ExampleJob, and
-FabricCheck for the fabric check, whose speeds have their own performance log. Each
+FabricCheck for the fabric check, whose speeds have their own performance log. Their
+runs train on synthetic data: StagedDataJob runs the template's copy of a dataset to
+every node, on a small archive of images that it makes. Each
 one copies the folder and keeps the #SBATCH lines of job.sh, except the job name, the
 time limit and the dependency, which the check sets. It runs `bash job.sh` with a short
 run's arguments inside the allocation: job.sh starts its own processes as it does for a
@@ -16,9 +18,12 @@ that log it (the template example and FSDP2), bus bandwidth for the fabric check
     reframe -C site.py -c checks/ -r
 """
 
+import io
 import json
 import math
+import random
 import re
+import tarfile
 from collections import Counter
 from pathlib import Path
 
@@ -72,6 +77,17 @@ SHORT_RUNS = {
     },  # fmt: skip
     FABRIC: {"args": [], "val_samples": None},
 }
+# StagedDataJob's run: the template on a small image archive that the check makes,
+# 5 classes of 40 training and 8 validation images of 32x32 pixels, 2 epochs.
+STAGED_CLASSES, STAGED_TRAIN, STAGED_VAL, STAGED_SIZE = 5, 40, 8, 32
+STAGED_RUN = {
+    "args": [
+        "--model", "resnet18", "--image-size", "32", "--batch-size", "4",
+        "--epochs", "2", "--warmup-steps", "2", "--log-every", "2",
+        "--num-workers", "1",
+    ],
+    "val_samples": STAGED_CLASSES * STAGED_VAL,
+}  # fmt: skip
 # Clusters whose examples need that cluster's environment (modules, conda, data paths);
 # the launcher variants are generic.
 SITE_OF = {"launchers": "generic"}
@@ -304,3 +320,58 @@ class ExampleJob(JobSh):
 @rfm.simple_test
 class FabricCheck(JobSh):
     example = parameter([FABRIC])
+
+
+@rfm.simple_test
+class StagedDataJob(JobSh):
+    """The template's job.sh on files, not synthetic data: each node unpacks a small
+    image archive, which the check makes in its stage folder, and the job trains on it.
+    The stage folder must be on storage that every node reads, as ReFrame's usually is.
+    """
+
+    example = "generic/template"
+
+    @run_after("init")
+    def time_nothing(self):
+        self.perf_variables = {}  # too short a run for a speed reading
+        self.exclusive_access = False
+
+    @property
+    def run_settings(self) -> dict:
+        return STAGED_RUN
+
+    @run_before("run")
+    def make_the_archive(self):
+        archive = Path(self.stagedir) / "images.tar"
+        write_image_archive(archive)
+        # job.sh's DATA_ARCHIVE, unless the environment names another.
+        self.env_vars["DATA_ARCHIVE"] = str(archive)
+
+    @sanity_function
+    def every_rank_trained_and_agrees(self):
+        if "Unpacked the dataset in" not in self.output():
+            raise SanityError("job.sh did not unpack the dataset")
+        return super().every_rank_trained_and_agrees()
+
+
+def write_image_archive(path: Path):
+    """An image folder as an uncompressed tar, with train/ and val/ at its top and a
+    folder per class in each, as the template's job.sh wants its dataset. Each class
+    is a colour under random noise, which a model tells apart in a few steps. PPM
+    images: torchvision reads them, and they need no imaging library to write."""
+    draw = random.Random(0)
+    size = STAGED_SIZE
+    with tarfile.open(path, "w") as tar:
+        for part, count in (("train", STAGED_TRAIN), ("val", STAGED_VAL)):
+            for label in range(STAGED_CLASSES):
+                colour = [(label * 50 + channel * 90) % 256 for channel in range(3)]
+                for index in range(count):
+                    pixels = bytes(
+                        min(255, max(0, value + draw.randint(-40, 40)))
+                        for _ in range(size * size)
+                        for value in colour
+                    )
+                    data = f"P6 {size} {size} 255\n".encode() + pixels
+                    member = tarfile.TarInfo(f"{part}/class{label}/{index}.ppm")
+                    member.size = len(data)
+                    tar.addfile(member, io.BytesIO(data))

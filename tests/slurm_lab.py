@@ -645,13 +645,16 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
     def run_checks(
         self, names: list[str], prefix: Path, command: list[str]
     ) -> dict[str, Job]:
-        """Runs the ReFrame checks of checks/examples.py for the examples `names` with
-        `command` (reframe, its site file and options), from the project's folder;
-        returns each example's job. Everything ReFrame writes goes under `prefix`."""
+        """Runs the ReFrame checks of checks/examples.py for the examples `names` (or
+        checks, by class name: "StagedDataJob") with `command` (reframe, its site file
+        and options), from the project's folder; returns each one's job. Everything
+        ReFrame writes goes under `prefix`."""
         report = prefix / "report.json"
         # ReFrame matches -n against a check's name without spaces:
         # "ExampleJob%example=generic/multi_node", "FabricCheck%example=generic/fabric".
-        selection = [f"-n%example={name}$" for name in names]
+        selection = [
+            f"-n%example={name}$" if "/" in name else f"-n^{name}$" for name in names
+        ]
         result = subprocess.run(
             [*command, *selection, "--prefix", str(prefix), "--keep-stage-files",
              "--report-file", str(report)],
@@ -673,7 +676,9 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
             verdict = case["result"]
             if verdict != "pass":
                 verdict = f"{verdict} in {case['fail_phase']}: {case['fail_reason']}"
-            found[case["example"]] = Job(
+            # An example's check, by its example; another, by its class.
+            key = case["example"] if "%example=" in case["name"] else case["name"]
+            found[key] = Job(
                 job_id=str(case["jobid"]),
                 state=info.get("JobState", "UNKNOWN"),
                 exit_code=info.get("ExitCode", "?"),

@@ -265,3 +265,20 @@ def test_of_two_sbatch_lines_for_one_option_the_later_wins(lab, tmp_path):
         assert lab.job_info(job_id)["TimeLimit"] == "00:20:00"
     finally:
         subprocess.run(["scancel", job_id], env=lab.env(), capture_output=True)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(1800)  # it may be the first to wait for the checks' jobs
+@pytest.mark.parametrize("name", ["StagedDataJob"])
+def test_the_staging_check_trains_on_an_archive_unpacked_on_every_node(jobs, name):
+    """The check that runs the template's copy of the dataset, which the other checks
+    skip: every node unpacks the check's archive, and all 8 ranks train on it."""
+    job = jobs(name)
+    assert job.ok, job.output
+    assert job.check == "pass", job.check
+    assert re.search(r"Unpacked the dataset in \S+ on every node", job.output)
+    found = checks.summaries(job.output)
+    assert [s["rank"] for s in found] == list(range(8)), job.output
+    assert {s["host"] for s in found} == {"cn1", "cn2"}
+    assert {s["val_samples"] for s in found} == {checks.STAGED_RUN["val_samples"]}
+    assert found[0]["last_loss"] < found[0]["first_loss"]

@@ -42,8 +42,9 @@ source "$HOME/venvs/ddp/bin/activate"
 # once into one archive, with train/ and val/ at its top, on storage that every node
 # reads. JPEGs do not compress: leave it uncompressed. For example, in a CPU job:
 #   tar -cf $SCRATCH/data/imagenet.tar -C /path/to/imagenet train val
-# `sbatch job.sh --synthetic-data` needs none.
-export DATA_ARCHIVE=$SCRATCH/data/imagenet.tar
+# `sbatch job.sh --synthetic-data` needs none. An archive named at submission wins:
+# `sbatch --export=ALL,DATA_ARCHIVE=$SCRATCH/data/other.tar job.sh`.
+export DATA_ARCHIVE=${DATA_ARCHIVE:-$SCRATCH/data/imagenet.tar}
 # A folder on each node's own disk, private to the job and emptied when it ends, at the
 # same path on every node: each node unpacks the archive there. $SLURM_TMPDIR at Mila
 # and the Alliance; /tmp where Slurm gives each job its own (job_container/tmpfs up to
