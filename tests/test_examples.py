@@ -232,7 +232,7 @@ def test_the_plumbing_is_the_same_in_every_example():
 CHECKPOINTING = [name for name in STRUCTURED if "class Checkpoint" in main_source(name)]
 SHARED_BY_CHECKPOINTING = [
     "Agreement", "note_stop_signal", "catch_stop_signals", "start_fork_server",
-    "ResumableSampler", "SeededSamples", "save_atomically", "requeue",
+    "ResumableSampler", "SeededSamples", "save_atomically", "requeue", "stop_for_good",
 ]  # fmt: skip
 
 

@@ -134,11 +134,21 @@ def restart_when_requeued(lab: Lab, job: str, restarts: int):
         FAIL_FAST,
         f"requeue number {restarts}",
     )
-    subprocess.run(
-        ["scontrol", "update", f"JobId={job}", "StartTime=now"],
-        env=lab.env(),
-        check=True,
-    )
+    start_now(lab, job)
+
+
+def start_now(lab: Lab, job: str):
+    """Lets a requeued job start at once, and again until it has started: a requeue
+    that completes just after the first `StartTime=now` sets its own later start."""
+    deadline = time.monotonic() + FAIL_FAST
+    while lab.job_info(job).get("JobState") == "PENDING":
+        assert time.monotonic() < deadline, f"job {job} did not start"
+        # Refused once the job is running: not checked.
+        subprocess.run(
+            ["scontrol", "update", f"JobId={job}", "StartTime=now"],
+            env=lab.env(), capture_output=True,
+        )  # fmt: skip
+        time.sleep(2)
 
 
 def assert_same_summaries(resumed, uninterrupted, restarts: int) -> list[dict]:
@@ -464,10 +474,7 @@ def test_a_crashed_job_requeues_itself_and_resumes_exactly(lab, tmp_path, exact_
     # and its log line).
     folder = lab.state / "scratch" / "checkpoints" / run_name(workdir)
     newest = int(newest_checkpoint(folder).stem.removeprefix("step-"))
-    subprocess.run(
-        ["scontrol", "update", f"JobId={job}", "StartTime=now"],
-        env=lab.env(), check=True,
-    )  # fmt: skip
+    start_now(lab, job)
     resumed = lab.wait(job, workdir, timeout=300)
     uninterrupted, plain = exact_twin()
     assert resumed.ok, resumed.output
@@ -494,10 +501,30 @@ def test_a_job_that_crashes_every_time_stops_at_its_budget(lab, tmp_path):
     assert lab.job_info(job).get("Restarts") == "1"
     folder = lab.state / "scratch" / "checkpoints" / run_name(tmp_path)
     assert (
-        "failure 2 of this job, over CRASH_RESTARTS=1: the job is not requeued. The "
-        f"cause is in the output above. Fix it, then resubmit: the job resumes from "
-        f"its checkpoint in {folder}"
+        "failure 2 of this job, over CRASH_RESTARTS=1: the job is not requeued. Fix "
+        f"the cause, then resubmit: the job resumes from its checkpoint in {folder}"
     ) in unwrapped(ended.output), ended.output
+
+
+def test_a_job_that_stops_on_its_own_error_is_not_requeued(lab, tmp_path):
+    # Every save from step 8 on fails, as on a full disk (tests/faults/): after 2 in a
+    # row, main.py stops every rank with the cause. A person must act, so job.sh must
+    # not requeue the job, although this start saved a checkpoint (step 4).
+    name = "generic/checkpointing"
+    faults = str(Path(__file__).parent / "faults")
+    job_id = submit(
+        lab, name, *LONG_RUN, "--checkpoint-every-steps", "4", "--max-failed-saves",
+        "2", workdir=tmp_path, PYTHONPATH=faults,
+        FAIL_SAVE=r"step-0000000[89]|step-000000[1-9]", FAIL_SAVE_TIMES="all",
+    )  # fmt: skip
+    job = lab.wait(job_id, tmp_path, timeout=120)
+    assert job.state == "FAILED", job.output
+    text = unwrapped(job.output)
+    assert "error: 2 checkpoints in a row could not be saved" in text, text
+    assert "main.py stopped on an error of its own, above: the job is not requeued" in (
+        text
+    )
+    assert lab.job_info(job_id).get("Restarts") == "0"
 
 
 # ------------------------------------------------------------
@@ -525,7 +552,7 @@ def test_a_killed_rank_ends_the_whole_job_at_once(lab, tmp_path):
     # waited for Slurm's SIGKILL, KillWait (30 s) after srun ended the step.
     assert re.findall(r"tasks? (\S+): Killed", job.output) == ["1"], job.output
     # Killed before the run's first checkpoint: job.sh does not requeue it.
-    assert "before this run saved a checkpoint: the job is not requeued" in unwrapped(
+    assert "before this start saved a checkpoint: the job is not requeued" in unwrapped(
         job.output
     ), job.output
     print(f"rank 1 killed: the job ended in {took:.1f} s")
@@ -727,7 +754,7 @@ def test_the_template_stops_before_unpacking_into_too_small_a_disk(lab, tmp_path
     for node in ("cn1", "cn2"):
         assert re.search(
             rf"error: {node}: \S+/imagenet has \d+ GiB free, and the dataset needs "
-            r"4096 GiB: set local_disk in job.sh to a larger disk",
+            r"4300 GiB: set local_disk in job.sh to a larger disk",
             unwrapped(job.output),
         ), job.output
     assert "Running on" not in job.output

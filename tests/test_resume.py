@@ -196,6 +196,7 @@ def test_a_job_that_restarted_too_often_is_not_requeued(tmp_path, name):
     )
     assert "Resubmit job.sh with the same job name" in text
     assert "Requeueing job" not in text
+    assert (tmp_path / "stopped-on-error").exists()  # for job.sh: no requeue either
     # It stopped as any warned job does, with the checkpoint saved.
     assert text.count("checkpoint saved") == launch.world_size, run.output
     assert newest_checkpoint(tmp_path).exists()
@@ -324,6 +325,8 @@ def test_saves_that_keep_failing_stop_the_job_and_keep_the_checkpoints(tmp_path)
     ) == 2, text  # fmt: skip
     assert newest_checkpoint(tmp_path).name == "step-00000004.pt"
     assert load_checkpoint(tmp_path)["progress"]["steps"] == 4
+    # The mark by which job.sh knows not to requeue the job.
+    assert (tmp_path / "stopped-on-error").exists()
 
 
 # Every process of a job holds sockets to its peers (gloo's, under

@@ -14,6 +14,7 @@ Try the job before the data is in place:
 """
 
 import argparse
+import contextlib
 import functools
 import gc
 import itertools
@@ -204,11 +205,12 @@ def main():
             checkpoint, agreement,
         )  # fmt: skip
     if stopped_by:
-        log.warning(f"Stopped at step {progress.steps}, checkpoint saved")
+        saved = "checkpoint saved" if checkpoint.failures == 0 else "save failed"
+        log.warning(f"Stopped at step {progress.steps}, {saved}")
         # SIGUSR1 warns of the time limit: requeue. After SIGTERM, Slurm is ending the
         # job already, and requeues it if it preempted it.
         if stopped_by == signal.SIGUSR1 and place.rank == 0:
-            requeue(args.max_restarts)
+            requeue(args.max_restarts, args.checkpoint_dir)
         return
     # One plain line per process to grep from the job's output: the numbers agree.
     summary = {
@@ -738,7 +740,7 @@ class Checkpoint:
             path = self.root / f"step-{progress.steps:08d}.pt"
             try:
                 save_atomically(state, path)
-            except OSError as failure:  # a full disk or quota, storage gone for a while
+            except Exception as failure:  # a full disk or quota, storage away a while
                 error = f"{path}: {failure}"
                 log.warning(f"Could not save {error}")
             else:
@@ -761,10 +763,11 @@ class Checkpoint:
         --max-failed-saves of them, stops the job, for a person to look."""
         self.failures = 0 if error is None else self.failures + 1
         if self.failures >= self.max_failures:
-            raise SystemExit(
+            stop_for_good(
+                self.root,
                 f"error: {self.failures} checkpoints in a row could not be saved, "
                 f"the last one to {error}. Free space in {self.root} or fix what the "
-                "error names, then resubmit: the run resumes from its last checkpoint."
+                "error names, then resubmit: the run resumes from its last checkpoint.",
             )
 
     def load(self, model, optimizer, scheduler, progress, train_log):
@@ -866,26 +869,38 @@ def save_atomically(state: dict, path: Path):
     os.close(folder)
 
 
-def requeue(max_restarts: int):
+def requeue(max_restarts: int, folder: Path):
     """Puts this job back in the queue: Slurm ends it now and starts it again later.
     Not after `max_restarts`: a job that cannot finish would loop for good."""
     job_id = os.environ["SLURM_JOB_ID"]
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
     if restarts >= max_restarts:
-        raise SystemExit(
+        stop_for_good(
+            folder,
             f"error: job {job_id} is not requeued: it has started {restarts + 1} "
-            f"times, and --max-restarts is {max_restarts}. {resubmit}"
+            f"times, and --max-restarts is {max_restarts}. {resubmit}",
         )
     log.info(f"Requeueing job {job_id}")
     # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
     result = subprocess.run(["scontrol", "requeue", job_id])
     # The requeue ends every process of the job, scontrol included: SIGTERM is success.
     if result.returncode not in (0, -signal.SIGTERM):
-        raise SystemExit(
+        stop_for_good(
+            folder,
             f"error: `scontrol requeue {job_id}` failed, so the job will not start "
-            f"again by itself. {resubmit}"
+            f"again by itself. {resubmit}",
         )
+
+
+def stop_for_good(folder: Path, message: str):
+    """Ends this process with `message`, an error that a person must act on. The mark
+    it leaves in the checkpoint folder tells job.sh not to requeue the job, as it does
+    after a crash."""
+    # On a full disk, say, the mark may fail: job.sh's limit on requeues still holds.
+    with contextlib.suppress(OSError):
+        (folder / "stopped-on-error").touch()
+    raise SystemExit(message)
 
 
 # ---- Plumbing: the same in every example (tests/test_examples.py checks it) ----------
@@ -914,9 +929,9 @@ def setup(rendezvous_timeout: float = 120) -> Place:
         WORLD_SIZE=str(place.world_size),
     )
     # A gloo group (on CPUs, the main one; on GPUs, those made for side tasks) connects
-    # a process to a peer only once they exchange data: with a ring, 2 peers. Connected
-    # to all at its start, it would hold a socket per process, 511 at 512 processes,
-    # and the usual limit is 1,024 open files.
+    # a process to another only once they exchange data: an all-reduce, which passes
+    # data round a ring, connects each to 2. Connected to all at its start, a group
+    # would hold a socket per other process: 511 at 512, of a usual limit of 1,024.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
     if launcher == "torchrun":

@@ -97,12 +97,13 @@ if [[ " $* " != *" --synthetic-data "* ]]; then
     fi
     start=$SECONDS
     # The single quotes: each task's shell reads the two exported variables itself,
-    # and checks its own node's disk first. An uncompressed archive unpacks to about
-    # its own size. A folder in memory (tmpfs) holds it in the node's memory.
+    # and checks its own node's disk first. An uncompressed archive unpacks to its own
+    # size, and a little more for the last block of each file: 5%, to be safe. A folder
+    # in memory (tmpfs) holds it in the node's memory.
     # shellcheck disable=SC2016
     srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" bash -c '
         mkdir -p "$DATA_DIR" || exit 1
-        need=$(stat -c %s "$DATA_ARCHIVE")
+        need=$(($(stat -c %s "$DATA_ARCHIVE") * 105 / 100))
         free=$(df --output=avail -B1 "$DATA_DIR" | tail -n 1)
         if ((free < need)); then
             echo "error: $(hostname): $DATA_DIR has $((free >> 30)) GiB free, and the" \
@@ -134,33 +135,45 @@ export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 # to 23.02 do not.
 # --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
 # otherwise wait for it in their next collective until a timeout.
-# A mark of this start's time: a checkpoint newer than it is this run's own.
-touch "$CHECKPOINT_DIR/started"
+# The newest checkpoint's name: if srun fails and it has changed, this start saved one.
+newest_checkpoint() {
+    find "$CHECKPOINT_DIR" -maxdepth 1 -name "*step-*" ! -name "*.tmp" -printf "%f\n" |
+        sort | tail -n 1
+}
+before=$(newest_checkpoint)
+# main.py leaves this mark when it stops on an error that a person must act on.
+rm -f "$CHECKPOINT_DIR/stopped-on-error"
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@" &&
     exit 0
 
 # --- srun failed: a task crashed, or stopped on an error ------------------------------
-# A process killed for want of memory, a GPU or network error, a node lost: requeue the
-# job to resume from its last checkpoint, if this run saved one (a failure before that
-# is most often a setting to fix, and would come again), at most CRASH_RESTARTS times
-# per job. 0: never (`sbatch --export=ALL,CRASH_RESTARTS=0 job.sh`).
+# A process killed for want of memory, a GPU error, an NCCL timeout: requeue the job to
+# resume from its last checkpoint, if this start saved one, at most CRASH_RESTARTS times
+# per job. 0: never (`sbatch --export=ALL,CRASH_RESTARTS=0 job.sh`). A failure before
+# the first save is most often a setting to fix, and would come again. (A lost node is
+# Slurm's own to handle: it ends the job, and requeues it with --requeue.)
 status=$?
-echo "job $SLURM_JOB_ID: srun exited with status $status" >>"$CHECKPOINT_DIR/crashes"
-crashes=$(grep -c "^job $SLURM_JOB_ID:" "$CHECKPOINT_DIR/crashes")
-saved=$(find "$CHECKPOINT_DIR" -maxdepth 1 -name "*step-*" ! -name "*.tmp" \
-    -newer "$CHECKPOINT_DIR/started")
-if [[ -n $saved ]] && ((crashes <= ${CRASH_RESTARTS:-3})); then
-    echo "srun exited with status $status: requeueing the job to resume from its last" \
-        "checkpoint (failure $crashes of the ${CRASH_RESTARTS:-3} allowed)" >&2
-    # Slurm ends this script as it requeues the job.
-    scontrol requeue "$SLURM_JOB_ID" && sleep 600
-fi
-if [[ -z $saved ]]; then
-    why="before this run saved a checkpoint"
+max=${CRASH_RESTARTS:-3}
+# Counted in the checkpoint folder, where a requeued start finds them. (On a full disk
+# the count may fail: then only the need for a new checkpoint limits the requeues.)
+echo "job $SLURM_JOB_ID: srun exited with status $status" >>"$CHECKPOINT_DIR/crashes" ||
+    true
+crashes=$(grep -c "^job $SLURM_JOB_ID:" "$CHECKPOINT_DIR/crashes" || true)
+if [[ -e $CHECKPOINT_DIR/stopped-on-error ]]; then
+    why="main.py stopped on an error of its own, above"
+elif [[ $(newest_checkpoint) == "$before" ]]; then
+    why="before this start saved a checkpoint"
+elif ((crashes > max)); then
+    why="failure $crashes of this job, over CRASH_RESTARTS=$max"
 else
-    why="failure $crashes of this job, over CRASH_RESTARTS=${CRASH_RESTARTS:-3}"
+    echo "srun exited with status $status: requeueing the job to resume from its last" \
+        "checkpoint (failure $crashes of the $max allowed)" >&2
+    # Slurm ends this script within seconds as it requeues the job: the sleep keeps it
+    # from going on meanwhile.
+    scontrol requeue "$SLURM_JOB_ID" && sleep 600
+    why="scontrol requeue failed"
 fi
-echo "error: srun exited with status $status, $why: the job is not requeued. The" \
-    "cause is in the output above. Fix it, then resubmit: the job resumes from its" \
-    "checkpoint in $CHECKPOINT_DIR, if it has one." >&2
+echo "error: srun exited with status $status, $why: the job is not requeued. Fix the" \
+    "cause, then resubmit: the job resumes from its checkpoint in $CHECKPOINT_DIR, if" \
+    "it has one." >&2
 exit "$status"

@@ -429,9 +429,9 @@ def setup(rendezvous_timeout: float = 120) -> Place:
         WORLD_SIZE=str(place.world_size),
     )
     # A gloo group (on CPUs, the main one; on GPUs, those made for side tasks) connects
-    # a process to a peer only once they exchange data: with a ring, 2 peers. Connected
-    # to all at its start, it would hold a socket per process, 511 at 512 processes,
-    # and the usual limit is 1,024 open files.
+    # a process to another only once they exchange data: an all-reduce, which passes
+    # data round a ring, connects each to 2. Connected to all at its start, a group
+    # would hold a socket per other process: 511 at 512, of a usual limit of 1,024.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
     if launcher == "torchrun":
