@@ -139,7 +139,12 @@ def restart_when_requeued(lab: Lab, job: str, restarts: int):
 
 def start_now(lab: Lab, job: str):
     """Lets a requeued job start at once, and again until it has started: a requeue
-    that completes just after the first `StartTime=now` sets its own later start."""
+    that completes just after the first `StartTime=now` sets its own later start.
+
+    Not within the second of the requeue: slurmd refuses a start whose credential is
+    as old as the revocation of the last one ("Job credential revoked"), and the job
+    then ends FAILED."""
+    time.sleep(2)
     deadline = time.monotonic() + FAIL_FAST
     while lab.job_info(job).get("JobState") == "PENDING":
         assert time.monotonic() < deadline, f"job {job} did not start"
