@@ -105,7 +105,7 @@ srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py 
 # resume from its last checkpoint, if this start saved one, at most CRASH_RESTARTS times
 # per job. 0: never (`sbatch --export=ALL,CRASH_RESTARTS=0 job.sh`). A failure before
 # the first save is most often a setting to fix, and would come again. (A lost node is
-# Slurm's own to handle: it ends the job, and requeues it with --requeue.)
+# Slurm's own to handle: it ends the job, which --requeue lets it requeue.)
 status=$?
 max=${CRASH_RESTARTS:-3}
 # Counted in the checkpoint folder, where a requeued start finds them. (On a full disk
