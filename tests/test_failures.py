@@ -126,6 +126,12 @@ def restart_when_requeued(lab: Lab, job: str, restarts: int):
 
     Slurm holds a requeued job for about two minutes before it may start again.
     """
+    wait_for_requeue(lab, job, restarts)
+    start_now(lab, job)
+
+
+def wait_for_requeue(lab: Lab, job: str, restarts: int):
+    """Waits until the job is back in the queue, for the `restarts`-th time."""
     wait_until(
         lambda: (
             lab.job_info(job).get("JobState") == "PENDING"
@@ -134,7 +140,6 @@ def restart_when_requeued(lab: Lab, job: str, restarts: int):
         FAIL_FAST,
         f"requeue number {restarts}",
     )
-    start_now(lab, job)
 
 
 def start_now(lab: Lab, job: str):
@@ -444,18 +449,6 @@ def kill_a_rank_after_a_save(lab: Lab, job: str, output: Path, saves: int) -> in
     time.sleep(random.uniform(0.1, 1.5))
     os.kill(wait_until(lambda: find_rank(job, 1), 30, "rank 1"), signal.SIGKILL)
     return max(int(step) for step in saved.findall(read(output)))
-
-
-def wait_for_requeue(lab: Lab, job: str, restarts: int):
-    """Waits until the job is back in the queue by itself after a crash."""
-    wait_until(
-        lambda: (
-            lab.job_info(job).get("JobState") == "PENDING"
-            and lab.job_info(job).get("Restarts") == str(restarts)
-        ),
-        FAIL_FAST,
-        f"requeue number {restarts}",
-    )
 
 
 @pytest.mark.every_version

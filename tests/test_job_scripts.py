@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-JOB_SCRIPTS = sorted(
-    (Path(__file__).resolve().parent.parent / "examples").glob("**/job.sh")
-)
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+JOB_SCRIPTS = sorted(EXAMPLES.glob("**/job.sh"))
 IDS = [str(p.parent.relative_to(p.parents[2])) for p in JOB_SCRIPTS]
 
 
@@ -66,3 +65,20 @@ def test_a_launcher_per_node_gets_all_its_gpus(script):
     # torchrun to find, so no run can show the fault: this check reads the scripts.
     for step in node_launcher_steps(script.read_text()):
         assert "--gpu-bind=none" in step.split(" torch")[0], step
+
+
+# The four checkpointing steps end their job.sh the same way: srun, then, if it failed,
+# the requeue after a crash. A fix in one copy must reach the others.
+CHECKPOINTING = ["generic/checkpointing", "mila/checkpointing", "generic/template",
+                 "generic/fsdp"]  # fmt: skip
+AFTER_A_CRASH = "# The newest checkpoint's name"
+
+
+def test_the_checkpointing_scripts_end_the_same_way():
+    ends = {}
+    for name in CHECKPOINTING:
+        text = (EXAMPLES / name / "job.sh").read_text()
+        assert AFTER_A_CRASH in text, name
+        assert 'ulimit -n "$(ulimit -Hn)"' in text, name
+        ends[name] = text[text.index(AFTER_A_CRASH) :]
+    assert len(set(ends.values())) == 1, "the checkpointing job.sh files end apart"
