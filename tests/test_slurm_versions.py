@@ -347,3 +347,19 @@ def test_fewer_tasks_than_nodes(lab, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "can't run 1 processes on 2 nodes, setting nnodes to 1" in result.stderr
+
+
+# A limit on open files set in the batch script, as job.sh's `ulimit -n` line sets it.
+LIMIT_JOB = r"""
+ulimit -Sn 200
+srun --ntasks=1 bash -c 'echo "step-limit $(ulimit -Sn)"'
+"""
+
+
+def test_srun_gives_its_tasks_the_batch_scripts_open_file_limit(lab, tmp_path):
+    """What the checkpointing job.sh files count on when they raise the limit: srun
+    applies the limit of the shell that runs it to its tasks, on every version
+    (slurm.conf's PropagateResourceLimits, which the test cluster leaves at its
+    default). Lowered here, so that the task's limit cannot be slurmd's own."""
+    job = run_job(lab, tmp_path, ["--nodes=1", "--ntasks=1"], LIMIT_JOB)
+    assert steps(job.output)["step-limit"] == ["200"], job.output
