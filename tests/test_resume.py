@@ -247,8 +247,8 @@ def test_the_stop_agreement_adds_no_collective_to_the_default_group(tmp_path, na
         env = {**COUNTING, "CHECKPOINT_DIR": str(tmp_path / str(steps))}
         run = run_example(name, launch, args, env=env)
         assert run.ok, run.output
-        counted[steps] = collectives(run.output)
-        assert len(counted[steps]) == launch.world_size, run.output
+        counted[steps] = sorted(collectives(run.output), key=lambda r: r["rank"])
+        assert [r["rank"] for r in counted[steps]] == list(range(launch.world_size))
     for fewer, more in zip(counted[3], counted[6], strict=True):
         default = {k: v for k, v in fewer.items() if k.startswith("default:")}
         assert default == {k: v for k, v in more.items() if k.startswith("default:")}
@@ -357,7 +357,11 @@ def test_sixteen_processes_run_within_a_low_open_file_limit(tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert run.ok, run.output
     assert len(run.summaries) == 16, run.output
-    sockets = [record["sockets"] for record in collectives(run.output)]
-    # Connected to all, a process would hold 15 sockets for each gloo group.
-    assert len(sockets) == 16 and max(sockets) < 15, sockets
-    print(f"sockets per process at 16 processes: {sorted(sockets)}")
+    held = {record["rank"]: record["sockets"] for record in collectives(run.output)}
+    assert sorted(held) == list(range(16)), held
+    # Connected to all, a process would hold 15 sockets for each of its two gloo groups.
+    # Rank 0 gathers every rank's random state at a save, so it may hold one per peer
+    # in the main group; the others exchange data with a few peers only.
+    assert held[0] < 2 * 15, held
+    assert max(held[rank] for rank in range(1, 16)) < 15, held
+    print(f"sockets per process at 16 processes, by rank: {held}")

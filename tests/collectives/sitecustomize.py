@@ -4,7 +4,7 @@ Python imports this module at start-up from a folder on PYTHONPATH. It wraps the
 collectives of torch.distributed (the functions main.py calls by name) with counters, by
 group: "default" for the group every process joins, "own" for a group main.py makes.
 At exit, each process prints one line, `collectives: {...}`, with the counts, the
-devices of the tensors sent over its own groups, and the sockets the process held when
+devices of the tensors sent over its own groups, its rank, and the sockets it held when
 main.py ended its process group (its groups' connections and its store's).
 
 With COUNT_CUDA_SYNCS=1 on a GPU, it also counts the times the process waited for the
@@ -88,6 +88,7 @@ destroy = dist.destroy_process_group
 @functools.wraps(destroy)
 def destroy_and_count(*args, **kwargs):
     counts["sockets"] = open_sockets()
+    counts["rank"] = dist.get_rank()
     return destroy(*args, **kwargs)
 
 
