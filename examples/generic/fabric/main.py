@@ -98,23 +98,13 @@ def main():
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--min-bytes", type=size_in_bytes, default="1K")
-    parser.add_argument("--max-bytes", type=size_in_bytes, default="1G")
-    parser.add_argument(
-        "--factor", type=int, default=4, help="each size is the last times this"
-    )
-    parser.add_argument(
-        "--warmup", type=int, default=5, help="untimed all_reduces per size"
-    )
-    parser.add_argument(
-        "--iterations", type=int, default=20, help="timed all_reduces per size"
-    )
-    parser.add_argument(
-        "--rendezvous-timeout",
-        type=float,
-        default=120,
-        help="seconds to wait for every process to join before giving up",
-    )
+    add = parser.add_argument
+    add("--min-bytes", type=size_in_bytes, default="1K")
+    add("--max-bytes", type=size_in_bytes, default="1G")
+    add("--factor", type=int, default=4, help="each size is the last times this")
+    add("--warmup", type=int, default=5, help="untimed all_reduces per size")
+    add("--iterations", type=int, default=20, help="timed all_reduces per size")
+    add("--rendezvous-timeout", type=float, default=120, help="seconds for all to join")
     args = parser.parse_args(argv)
     if args.factor < 2 or args.iterations < 1 or args.warmup < 0:
         parser.error(
@@ -206,10 +196,8 @@ class Place(NamedTuple):
 def setup(rendezvous_timeout: float = 120) -> Place:
     """Joins the process group, whoever started this process: srun, torchrun, or none.
 
-    RANK, LOCAL_RANK and WORLD_SIZE are set for libraries that read them, as torchrun
-    sets them. Under srun, joining waits at most `rendezvous_timeout` seconds: the
-    group's own timeout also bounds every collective, 10 minutes for NCCL and 30 for
-    gloo by default.
+    Sets RANK, LOCAL_RANK and WORLD_SIZE for libraries that read them, as torchrun does.
+    Under srun, joining waits at most `rendezvous_timeout` seconds.
     """
     place, launcher = find_place()
     os.environ.update(
@@ -217,14 +205,11 @@ def setup(rendezvous_timeout: float = 120) -> Place:
         LOCAL_RANK=str(place.local_rank),
         WORLD_SIZE=str(place.world_size),
     )
-    # A gloo group (on CPUs, the main one; on GPUs, those made for side tasks) connects
-    # a process to another only once they exchange data: an all-reduce, which passes
-    # data round a ring, connects each to 2. Connected to all at its start, a group
-    # would hold a socket per other process: 511 at 512, of a usual limit of 1,024.
+    # gloo connects two processes only once they exchange data. Connected to all at the
+    # start, a gloo group would hold a socket per other process: 511 at 512.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
-    if launcher == "torchrun":
-        # torchrun's rendezvous is done: env:// meets its store.
+    if launcher == "torchrun":  # its rendezvous is done: env:// meets its store
         dist.init_process_group(backend)
         return place
     if launcher == "single process":
@@ -243,8 +228,7 @@ def find_place() -> tuple[Place, str]:
     launch = "Start one process per task with `srun python main.py` (job.sh does)"
     variables = {
         "torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
-        # Only a task that srun started has SLURM_STEP_NUM_TASKS. The batch script
-        # has SLURM_PROCID=0 and the job's SLURM_NTASKS too, but no step.
+        # The batch script has SLURM_PROCID and SLURM_NTASKS too, but no step.
         "srun": (
             "SLURM_PROCID",
             "SLURM_LOCALID",
@@ -278,10 +262,8 @@ def find_place() -> tuple[Place, str]:
 
 
 def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
-    """The store where srun's tasks meet, at MASTER_ADDR:MASTER_PORT, which job.sh
-    exports: the job's first node. The first task on that node serves it, and the
-    others connect. That task is rank 0 unless srun numbers the tasks in another order
-    than the nodes' names, as Slurm 26.05 does on a cluster with a topology.conf."""
+    """The store where srun's tasks meet, at MASTER_ADDR:MASTER_PORT (job.sh exports
+    them: the job's first node). The first task on that node serves it."""
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in os.environ:
             raise SystemExit(
@@ -290,6 +272,7 @@ def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
             )
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     host = socket.gethostname()
+    # Not always rank 0: Slurm 26.05 numbers tasks by topology.conf, where there is one.
     serves = os.environ["SLURM_NODEID"] == "0" and place.local_rank == 0
     try:
         return dist.TCPStore(
@@ -315,12 +298,8 @@ def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
 
 
 def use_gpus() -> bool:
-    """True to train on GPUs with NCCL, False to train on CPUs with gloo.
-
-    A task that Slurm gave GPUs must use them: when CUDA does not
-    work there, stop at once rather than train on CPUs for hours.
-    TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
-    """
+    """True to train on GPUs with NCCL, False on CPUs with gloo (TRAIN_ON_CPU=1 asks
+    for that). A task given GPUs that CUDA cannot use stops at once."""
     if os.environ.get("TRAIN_ON_CPU") == "1":
         return False
     if torch.cuda.is_available():
@@ -340,13 +319,10 @@ def use_gpus() -> bool:
 
 
 def get_device(local_rank: int) -> torch.device:
-    """This process's GPU, made its current device; or the
-    CPU when not training on GPUs.
+    """This process's GPU, made its current device, or the CPU.
 
-    Slurm may show a task every GPU of its node, or only its own
-    (--gpu-bind, often with --gpus-per-task, or a MIG slice). One rule
-    fits both: a process that sees one GPU takes it, and a process that
-    sees several takes the one at its local rank, its place on its node.
+    Slurm may show a task every GPU of its node or only its own (--gpu-bind, a MIG
+    slice): a process that sees one GPU takes it, else the one at its local rank.
     """
     if not use_gpus():
         return torch.device("cpu")
@@ -364,12 +340,9 @@ def get_device(local_rank: int) -> torch.device:
 
 
 def get_num_workers() -> int:
-    """DataLoader workers: this process's share of its
-    task's CPUs, less one for the process."""
-    # The CPUs that Slurm bound the task to. Where a site does not
-    # bind tasks to CPUs, that is the whole node: keep to what the
-    # job asked for as well. (macOS has no affinity: all its CPUs.)
-    affinity = getattr(os, "sched_getaffinity", None)
+    """DataLoader workers: this process's share of its task's CPUs, less one."""
+    # The CPUs Slurm bound the task to; where a site does not bind, the job's share.
+    affinity = getattr(os, "sched_getaffinity", None)  # macOS has none
     cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
     if "SLURM_CPUS_PER_TASK" in os.environ:
         cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
@@ -378,24 +351,16 @@ def get_num_workers() -> int:
 
 
 def end_with_rank(rank_pid: int, worker_id: int):
-    """Starts each DataLoader worker (its worker_init_fn) with a thread that ends the
-    worker once process `rank_pid`, the one it loads batches for, has ended.
+    """A DataLoader worker's worker_init_fn: a thread ends the worker once process
+    `rank_pid`, the one it loads for, has ended, or has sent it SIGTERM.
 
-    Workers from a fork server are the server's children, not their process's. If the
-    process dies of SIGKILL (the kernel's out-of-memory killer, say), they and the
-    server would wait for it forever, holding its output open, out of reach of Slurm's
-    process tracking where it follows parents and children only.
-
-    The thread also takes the SIGTERM with which multiprocessing ends the workers when
-    their process exits after an error. Where the fork server blocks the stop signals
-    (the checkpointing steps), nothing else would: the exit would wait for the workers
-    until Slurm's SIGKILL, or for ever in a job of one task.
+    A worker whose process was killed (by the out-of-memory killer, say) may otherwise
+    wait for ever, holding the job's output open.
     """
 
     def watch():
         while True:
-            # A SIGTERM from anyone else (Slurm signals every process of a step) is
-            # dropped; the wait lasts at most a second.
+            # A SIGTERM from anyone else (Slurm signals the whole step) is dropped.
             received = signal.sigtimedwait({signal.SIGTERM}, 1)
             if received is not None and received.si_pid == rank_pid:
                 os._exit(0)

@@ -86,40 +86,20 @@ def build_model(args, num_classes: int) -> nn.Module:
 
 
 def make_datasets(args) -> tuple[Dataset, Dataset, int]:
-    """The training and validation sets, and the number of classes.
-
-    Any map-style Dataset works whose items to_device() takes apart.
-    """
+    """The training and validation sets, and the number of classes. Any map-style
+    Dataset works whose items to_device() takes apart."""
     if args.synthetic_data:
         size, classes = args.synthetic_size, args.synthetic_classes
         train = SyntheticImages(size, classes, args.image_size, first_seed=0)
         valid = SyntheticImages(max(size // 50, 1), classes, args.image_size, size)
         return train, valid, classes
     check_dataset(args.data_dir)
-    normalize = transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-    train = ImageFolder(
-        args.data_dir / "train",
-        transforms.Compose(
-            [
-                transforms.RandomResizedCrop(args.image_size),
-                transforms.RandomHorizontalFlip(),
-                transforms.ToTensor(),
-                normalize,
-            ]
-        ),
-    )
-    valid = ImageFolder(
-        args.data_dir / "val",
-        transforms.Compose(
-            [
-                # 256/224: the usual margin cropped away around the centre.
-                transforms.Resize(args.image_size * 8 // 7),
-                transforms.CenterCrop(args.image_size),
-                transforms.ToTensor(),
-                normalize,
-            ]
-        ),
-    )
+    size, T = args.image_size, transforms
+    tensor = [T.ToTensor(), T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
+    augment = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()]
+    center = [T.Resize(size * 8 // 7), T.CenterCrop(size)]  # 256/224: the usual margin
+    train = ImageFolder(args.data_dir / "train", T.Compose(augment + tensor))
+    valid = ImageFolder(args.data_dir / "val", T.Compose(center + tensor))
     if train.classes != valid.classes:
         raise SystemExit(
             f"error: {args.data_dir}/train and {args.data_dir}/val have different "
@@ -137,7 +117,7 @@ def loss_fn(output: Tensor, target: Tensor) -> Tensor:
 def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
     """A batch of the loader, as (the model's input, the target), on the device."""
     inputs, target = batch
-    # non_blocking: from pinned memory (step 5), the copy overlaps the GPU's work.
+    # non_blocking: from pinned memory, the copy overlaps the GPU's work.
     return inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
 
 
@@ -148,12 +128,9 @@ def correct(output: Tensor, target: Tensor) -> Tensor:
 
 
 class SyntheticImages(Dataset):
-    """Random images of the real data's shape after its
-    transforms: 3 x size x size, normalized.
-
-    Each class has its own tint, so the loss falls as in a real run. Image `i` comes
-    from its own seed: the same in every epoch and every process.
-    """
+    """Random images of the real data's shape after its transforms: 3 x size x size.
+    Each class has its own tint, so the loss falls. Image `i` comes from its own seed:
+    the same in every epoch and every process."""
 
     def __init__(self, length: int, classes: int, size: int, first_seed: int):
         self.length, self.classes, self.size = length, classes, size
@@ -260,93 +237,40 @@ def main():
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--epochs", type=positive, default=90)
+    add = parser.add_argument
+    add("--epochs", type=positive, default=90)
     # The batch size per process and micro-batch: each optimizer step trains on
     # batch_size * accumulation_steps * world_size samples in all.
-    parser.add_argument("--batch-size", type=positive, default=128)
-    parser.add_argument("--accumulation-steps", type=positive, default=1)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument(
-        "--warmup-steps", type=positive, default=500, help="in optimizer steps"
-    )
-    parser.add_argument("--weight-decay", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--max-steps",
-        type=positive,
-        default=None,
-        help="stop after this many steps in all, as if stopped by a signal: a later "
-        "run goes on from there",
-    )
-    parser.add_argument(
-        "--log-every", type=positive, default=50, help="steps between log lines"
-    )
+    add("--batch-size", type=positive, default=128)
+    add("--accumulation-steps", type=positive, default=1)
+    add("--learning-rate", type=float, default=1e-3)
+    add("--warmup-steps", type=positive, default=500, help="in optimizer steps")
+    add("--weight-decay", type=float, default=0.05)
+    add("--seed", type=int, default=0)
+    add("--max-steps", type=positive, help="stop as a signal does, after this many")
+    add("--log-every", type=positive, default=50, help="steps between log lines")
     add_arguments(parser)  # the model's and the data's, from your section
-    parser.add_argument(
-        "--num-workers",
-        type=int,
-        default=None,
-        help="DataLoader workers per process (default: its CPUs, less one)",
-    )
-    parser.add_argument(
-        "--rendezvous-timeout",
-        type=float,
-        default=120,
-        help="seconds to wait for every process to join before giving up",
-    )
-    parser.add_argument(
-        "--checkpoint-dir",
-        type=Path,
-        default=Path(os.environ.get("CHECKPOINT_DIR", "checkpoints")),
-        help="storage that outlives the job (default: $CHECKPOINT_DIR, from job.sh)",
-    )
-    parser.add_argument(
-        "--checkpoint-every",
-        type=float,
-        default=30,
-        help="minutes of training between checkpoints: what a crash can lose",
-    )
-    parser.add_argument(
-        "--checkpoint-every-steps",
-        type=positive,
-        default=None,
-        help="also save every this many steps (a run that must save at set steps)",
-    )
-    parser.add_argument(
-        "--keep-checkpoints",
-        type=positive,
-        default=2,
-        help="the newest checkpoints kept; older ones are deleted",
-    )
-    parser.add_argument(
-        "--max-failed-saves",
-        type=positive,
-        default=3,
-        help="stop the job after this many checkpoints in a row fail to save",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=20,
-        help="requeue the job at most this often: a guard against a job that loops",
-    )
+    add("--num-workers", type=int, help="per process (default: its CPUs, less one)")
+    add("--rendezvous-timeout", type=float, default=120, help="seconds for all to join")
+    # Storage that outlives the job: job.sh sets CHECKPOINT_DIR.
+    folder = os.environ.get("CHECKPOINT_DIR", "checkpoints")
+    add("--checkpoint-dir", type=Path, default=folder)
+    add("--checkpoint-every", type=float, default=30, help="minutes between saves")
+    add("--checkpoint-every-steps", type=positive, help="and every this many steps")
+    add("--keep-checkpoints", type=positive, default=2, help="the newest kept")
+    add("--max-failed-saves", type=positive, default=3, help="in a row, then stop")
+    add("--max-restarts", type=int, default=20, help="requeues at most: loops end")
     # Speed settings. By default each is on where it pays: on GPUs (bf16: of compute
     # capability 8.0 and newer). --no-X turns one off, to measure what it buys.
     for name in ("bf16", "channels-last", "cudnn-benchmark", "pin-memory"):
-        parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction)
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction)
-    parser.add_argument(
-        "--benchmark",
-        type=positive,
-        metavar="N",
-        help="time N batches of input, then N training steps, instead of training",
-    )
+        add(f"--{name}", action=argparse.BooleanOptionalAction)
+    add("--compile", action=argparse.BooleanOptionalAction)
+    add("--benchmark", type=positive, metavar="N", help="time N batches, N steps")
     return parser.parse_args(argv)
 
 
 def positive(text: str) -> int:
-    """An argument that must be a whole number above zero,
-    or argparse stops with the reason."""
+    """A whole number above zero, or argparse stops with the reason."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
@@ -380,8 +304,7 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
     options = {
         "batch_size": args.batch_size,
         "num_workers": workers,
-        # Workers that stay from one epoch to the next keep their copy of the
-        # dataset: no new ones start, each copying it again, at every epoch.
+        # Kept from one epoch to the next: new workers would copy the dataset again.
         "persistent_workers": workers > 0,
         # Workers end when this process ends, however it ends.
         "worker_init_fn": functools.partial(end_with_rank, os.getpid()),
@@ -404,8 +327,8 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
     # Validation counts each sample once: every world_size-th
     # sample, from the rank on, with no padding.
     shard = range(place.rank, len(valid_set), place.world_size)
-    # The workers' seeds come from a generator of its own, which leaves torch's
-    # global random state to training alone (step 4 saves it in checkpoints).
+    # A generator of its own seeds the workers: torch's global random state is left to
+    # training alone.
     valid_loader = DataLoader(
         Subset(valid_set, shard), shuffle=False, generator=torch.Generator(), **options
     )
@@ -1104,10 +1027,8 @@ class Place(NamedTuple):
 def setup(rendezvous_timeout: float = 120) -> Place:
     """Joins the process group, whoever started this process: srun, torchrun, or none.
 
-    RANK, LOCAL_RANK and WORLD_SIZE are set for libraries that read them, as torchrun
-    sets them. Under srun, joining waits at most `rendezvous_timeout` seconds: the
-    group's own timeout also bounds every collective, 10 minutes for NCCL and 30 for
-    gloo by default.
+    Sets RANK, LOCAL_RANK and WORLD_SIZE for libraries that read them, as torchrun does.
+    Under srun, joining waits at most `rendezvous_timeout` seconds.
     """
     place, launcher = find_place()
     os.environ.update(
@@ -1115,14 +1036,11 @@ def setup(rendezvous_timeout: float = 120) -> Place:
         LOCAL_RANK=str(place.local_rank),
         WORLD_SIZE=str(place.world_size),
     )
-    # A gloo group (on CPUs, the main one; on GPUs, those made for side tasks) connects
-    # a process to another only once they exchange data: an all-reduce, which passes
-    # data round a ring, connects each to 2. Connected to all at its start, a group
-    # would hold a socket per other process: 511 at 512, of a usual limit of 1,024.
+    # gloo connects two processes only once they exchange data. Connected to all at the
+    # start, a gloo group would hold a socket per other process: 511 at 512.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
-    if launcher == "torchrun":
-        # torchrun's rendezvous is done: env:// meets its store.
+    if launcher == "torchrun":  # its rendezvous is done: env:// meets its store
         dist.init_process_group(backend)
         return place
     if launcher == "single process":
@@ -1141,8 +1059,7 @@ def find_place() -> tuple[Place, str]:
     launch = "Start one process per task with `srun python main.py` (job.sh does)"
     variables = {
         "torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
-        # Only a task that srun started has SLURM_STEP_NUM_TASKS. The batch script
-        # has SLURM_PROCID=0 and the job's SLURM_NTASKS too, but no step.
+        # The batch script has SLURM_PROCID and SLURM_NTASKS too, but no step.
         "srun": (
             "SLURM_PROCID",
             "SLURM_LOCALID",
@@ -1176,10 +1093,8 @@ def find_place() -> tuple[Place, str]:
 
 
 def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
-    """The store where srun's tasks meet, at MASTER_ADDR:MASTER_PORT, which job.sh
-    exports: the job's first node. The first task on that node serves it, and the
-    others connect. That task is rank 0 unless srun numbers the tasks in another order
-    than the nodes' names, as Slurm 26.05 does on a cluster with a topology.conf."""
+    """The store where srun's tasks meet, at MASTER_ADDR:MASTER_PORT (job.sh exports
+    them: the job's first node). The first task on that node serves it."""
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in os.environ:
             raise SystemExit(
@@ -1188,6 +1103,7 @@ def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
             )
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     host = socket.gethostname()
+    # Not always rank 0: Slurm 26.05 numbers tasks by topology.conf, where there is one.
     serves = os.environ["SLURM_NODEID"] == "0" and place.local_rank == 0
     try:
         return dist.TCPStore(
@@ -1213,12 +1129,8 @@ def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
 
 
 def use_gpus() -> bool:
-    """True to train on GPUs with NCCL, False to train on CPUs with gloo.
-
-    A task that Slurm gave GPUs must use them: when CUDA does not
-    work there, stop at once rather than train on CPUs for hours.
-    TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
-    """
+    """True to train on GPUs with NCCL, False on CPUs with gloo (TRAIN_ON_CPU=1 asks
+    for that). A task given GPUs that CUDA cannot use stops at once."""
     if os.environ.get("TRAIN_ON_CPU") == "1":
         return False
     if torch.cuda.is_available():
@@ -1238,13 +1150,10 @@ def use_gpus() -> bool:
 
 
 def get_device(local_rank: int) -> torch.device:
-    """This process's GPU, made its current device; or the
-    CPU when not training on GPUs.
+    """This process's GPU, made its current device, or the CPU.
 
-    Slurm may show a task every GPU of its node, or only its own
-    (--gpu-bind, often with --gpus-per-task, or a MIG slice). One rule
-    fits both: a process that sees one GPU takes it, and a process that
-    sees several takes the one at its local rank, its place on its node.
+    Slurm may show a task every GPU of its node or only its own (--gpu-bind, a MIG
+    slice): a process that sees one GPU takes it, else the one at its local rank.
     """
     if not use_gpus():
         return torch.device("cpu")
@@ -1262,12 +1171,9 @@ def get_device(local_rank: int) -> torch.device:
 
 
 def get_num_workers() -> int:
-    """DataLoader workers: this process's share of its
-    task's CPUs, less one for the process."""
-    # The CPUs that Slurm bound the task to. Where a site does not
-    # bind tasks to CPUs, that is the whole node: keep to what the
-    # job asked for as well. (macOS has no affinity: all its CPUs.)
-    affinity = getattr(os, "sched_getaffinity", None)
+    """DataLoader workers: this process's share of its task's CPUs, less one."""
+    # The CPUs Slurm bound the task to; where a site does not bind, the job's share.
+    affinity = getattr(os, "sched_getaffinity", None)  # macOS has none
     cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
     if "SLURM_CPUS_PER_TASK" in os.environ:
         cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
@@ -1276,24 +1182,16 @@ def get_num_workers() -> int:
 
 
 def end_with_rank(rank_pid: int, worker_id: int):
-    """Starts each DataLoader worker (its worker_init_fn) with a thread that ends the
-    worker once process `rank_pid`, the one it loads batches for, has ended.
+    """A DataLoader worker's worker_init_fn: a thread ends the worker once process
+    `rank_pid`, the one it loads for, has ended, or has sent it SIGTERM.
 
-    Workers from a fork server are the server's children, not their process's. If the
-    process dies of SIGKILL (the kernel's out-of-memory killer, say), they and the
-    server would wait for it forever, holding its output open, out of reach of Slurm's
-    process tracking where it follows parents and children only.
-
-    The thread also takes the SIGTERM with which multiprocessing ends the workers when
-    their process exits after an error. Where the fork server blocks the stop signals
-    (the checkpointing steps), nothing else would: the exit would wait for the workers
-    until Slurm's SIGKILL, or for ever in a job of one task.
+    A worker whose process was killed (by the out-of-memory killer, say) may otherwise
+    wait for ever, holding the job's output open.
     """
 
     def watch():
         while True:
-            # A SIGTERM from anyone else (Slurm signals every process of a step) is
-            # dropped; the wait lasts at most a second.
+            # A SIGTERM from anyone else (Slurm signals the whole step) is dropped.
             received = signal.sigtimedwait({signal.SIGTERM}, 1)
             if received is not None and received.si_pid == rank_pid:
                 os._exit(0)

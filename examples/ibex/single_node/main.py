@@ -185,50 +185,30 @@ def main():
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--epochs", type=positive, default=10)
-    parser.add_argument("--batch-size", type=positive, default=64, help="per process")
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument(
-        "--warmup-steps", type=positive, default=100, help="in optimizer steps"
-    )
-    parser.add_argument("--weight-decay", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--max-steps", type=positive, default=None, help="stop after this many"
-    )
-    parser.add_argument(
-        "--log-every", type=positive, default=50, help="steps between log lines"
-    )
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=os.environ.get("DATA_DIR"),
-        help="TinyImageNet's folder, with train/ and val/ (default: $DATA_DIR)",
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--epochs", type=positive, default=10)
+    add("--batch-size", type=positive, default=64, help="per process")
+    add("--learning-rate", type=float, default=1e-3)
+    add("--warmup-steps", type=positive, default=100, help="in optimizer steps")
+    add("--weight-decay", type=float, default=0.05)
+    add("--seed", type=int, default=0)
+    add("--max-steps", type=positive, default=None, help="stop after this many")
+    add("--log-every", type=positive, default=50, help="steps between log lines")
+    # TinyImageNet's folder, with train/ and val/.
+    add("--data-dir", type=Path, default=os.environ.get("DATA_DIR"))
+    add(
         "--synthetic-data",
         action="store_true",
-        help="train on random images of TinyImageNet's shape instead of the dataset",
+        help="TinyImageNet-shaped random images",
     )
-    parser.add_argument("--synthetic-size", type=positive, default=100_000)
-    parser.add_argument(
-        "--num-workers",
-        type=int,
-        default=None,
-        help="DataLoader workers per process (default: its CPUs, less one)",
-    )
-    parser.add_argument(
-        "--rendezvous-timeout",
-        type=float,
-        default=120,
-        help="seconds to wait for every process to join before giving up",
-    )
+    add("--synthetic-size", type=positive, default=100_000)
+    add("--num-workers", type=int, help="per process (default: its CPUs, less one)")
+    add("--rendezvous-timeout", type=float, default=120, help="seconds for all to join")
     return parser.parse_args(argv)
 
 
 def positive(text: str) -> int:
-    """An argument that must be a whole number above zero,
-    or argparse stops with the reason."""
+    """A whole number above zero, or argparse stops with the reason."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
@@ -260,8 +240,7 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
     options = {
         "batch_size": args.batch_size,
         "num_workers": workers,
-        # Workers that stay from one epoch to the next keep their copy of the
-        # dataset: no new ones start, each copying it again, at every epoch.
+        # Kept from one epoch to the next: new workers would copy the dataset again.
         "persistent_workers": workers > 0,
         # Workers end when this process ends, however it ends.
         "worker_init_fn": functools.partial(end_with_rank, os.getpid()),
@@ -281,8 +260,8 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
     # Validation counts each sample once: every world_size-th
     # sample, from the rank on, with no padding.
     shard = range(place.rank, len(valid_set), place.world_size)
-    # The workers' seeds come from a generator of its own, which leaves torch's
-    # global random state to training alone (step 4 saves it in checkpoints).
+    # A generator of its own seeds the workers: torch's global random state is left to
+    # training alone.
     valid_loader = DataLoader(
         Subset(valid_set, shard), shuffle=False, generator=torch.Generator(), **options
     )
@@ -346,11 +325,9 @@ def train(args, model, optimizer, scheduler, loaders, progress, train_log):
 
 
 class TrainLog:
-    """What the log reports: the mean loss over the steps since the last line.
-
-    The losses stay on the device until a line is logged: a .item() on every step would
-    make this process wait for the GPU each time, instead of queueing the next step.
-    """
+    """The mean loss over the steps since the last log line. The losses stay on the
+    device until a line is logged: a .item() at every step would make the CPU wait for
+    the GPU each time."""
 
     def __init__(self, device: torch.device):
         self.total = torch.zeros((), device=device)
@@ -418,10 +395,8 @@ class Place(NamedTuple):
 def setup(rendezvous_timeout: float = 120) -> Place:
     """Joins the process group, whoever started this process: srun, torchrun, or none.
 
-    RANK, LOCAL_RANK and WORLD_SIZE are set for libraries that read them, as torchrun
-    sets them. Under srun, joining waits at most `rendezvous_timeout` seconds: the
-    group's own timeout also bounds every collective, 10 minutes for NCCL and 30 for
-    gloo by default.
+    Sets RANK, LOCAL_RANK and WORLD_SIZE for libraries that read them, as torchrun does.
+    Under srun, joining waits at most `rendezvous_timeout` seconds.
     """
     place, launcher = find_place()
     os.environ.update(
@@ -429,14 +404,11 @@ def setup(rendezvous_timeout: float = 120) -> Place:
         LOCAL_RANK=str(place.local_rank),
         WORLD_SIZE=str(place.world_size),
     )
-    # A gloo group (on CPUs, the main one; on GPUs, those made for side tasks) connects
-    # a process to another only once they exchange data: an all-reduce, which passes
-    # data round a ring, connects each to 2. Connected to all at its start, a group
-    # would hold a socket per other process: 511 at 512, of a usual limit of 1,024.
+    # gloo connects two processes only once they exchange data. Connected to all at the
+    # start, a gloo group would hold a socket per other process: 511 at 512.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
-    if launcher == "torchrun":
-        # torchrun's rendezvous is done: env:// meets its store.
+    if launcher == "torchrun":  # its rendezvous is done: env:// meets its store
         dist.init_process_group(backend)
         return place
     if launcher == "single process":
@@ -455,8 +427,7 @@ def find_place() -> tuple[Place, str]:
     launch = "Start one process per task with `srun python main.py` (job.sh does)"
     variables = {
         "torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
-        # Only a task that srun started has SLURM_STEP_NUM_TASKS. The batch script
-        # has SLURM_PROCID=0 and the job's SLURM_NTASKS too, but no step.
+        # The batch script has SLURM_PROCID and SLURM_NTASKS too, but no step.
         "srun": (
             "SLURM_PROCID",
             "SLURM_LOCALID",
@@ -490,10 +461,8 @@ def find_place() -> tuple[Place, str]:
 
 
 def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
-    """The store where srun's tasks meet, at MASTER_ADDR:MASTER_PORT, which job.sh
-    exports: the job's first node. The first task on that node serves it, and the
-    others connect. That task is rank 0 unless srun numbers the tasks in another order
-    than the nodes' names, as Slurm 26.05 does on a cluster with a topology.conf."""
+    """The store where srun's tasks meet, at MASTER_ADDR:MASTER_PORT (job.sh exports
+    them: the job's first node). The first task on that node serves it."""
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in os.environ:
             raise SystemExit(
@@ -502,6 +471,7 @@ def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
             )
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     host = socket.gethostname()
+    # Not always rank 0: Slurm 26.05 numbers tasks by topology.conf, where there is one.
     serves = os.environ["SLURM_NODEID"] == "0" and place.local_rank == 0
     try:
         return dist.TCPStore(
@@ -527,12 +497,8 @@ def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
 
 
 def use_gpus() -> bool:
-    """True to train on GPUs with NCCL, False to train on CPUs with gloo.
-
-    A task that Slurm gave GPUs must use them: when CUDA does not
-    work there, stop at once rather than train on CPUs for hours.
-    TRAIN_ON_CPU=1 asks for CPUs on purpose, as the smoke tests do.
-    """
+    """True to train on GPUs with NCCL, False on CPUs with gloo (TRAIN_ON_CPU=1 asks
+    for that). A task given GPUs that CUDA cannot use stops at once."""
     if os.environ.get("TRAIN_ON_CPU") == "1":
         return False
     if torch.cuda.is_available():
@@ -552,13 +518,10 @@ def use_gpus() -> bool:
 
 
 def get_device(local_rank: int) -> torch.device:
-    """This process's GPU, made its current device; or the
-    CPU when not training on GPUs.
+    """This process's GPU, made its current device, or the CPU.
 
-    Slurm may show a task every GPU of its node, or only its own
-    (--gpu-bind, often with --gpus-per-task, or a MIG slice). One rule
-    fits both: a process that sees one GPU takes it, and a process that
-    sees several takes the one at its local rank, its place on its node.
+    Slurm may show a task every GPU of its node or only its own (--gpu-bind, a MIG
+    slice): a process that sees one GPU takes it, else the one at its local rank.
     """
     if not use_gpus():
         return torch.device("cpu")
@@ -576,12 +539,9 @@ def get_device(local_rank: int) -> torch.device:
 
 
 def get_num_workers() -> int:
-    """DataLoader workers: this process's share of its
-    task's CPUs, less one for the process."""
-    # The CPUs that Slurm bound the task to. Where a site does not
-    # bind tasks to CPUs, that is the whole node: keep to what the
-    # job asked for as well. (macOS has no affinity: all its CPUs.)
-    affinity = getattr(os, "sched_getaffinity", None)
+    """DataLoader workers: this process's share of its task's CPUs, less one."""
+    # The CPUs Slurm bound the task to; where a site does not bind, the job's share.
+    affinity = getattr(os, "sched_getaffinity", None)  # macOS has none
     cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
     if "SLURM_CPUS_PER_TASK" in os.environ:
         cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
@@ -590,24 +550,16 @@ def get_num_workers() -> int:
 
 
 def end_with_rank(rank_pid: int, worker_id: int):
-    """Starts each DataLoader worker (its worker_init_fn) with a thread that ends the
-    worker once process `rank_pid`, the one it loads batches for, has ended.
+    """A DataLoader worker's worker_init_fn: a thread ends the worker once process
+    `rank_pid`, the one it loads for, has ended, or has sent it SIGTERM.
 
-    Workers from a fork server are the server's children, not their process's. If the
-    process dies of SIGKILL (the kernel's out-of-memory killer, say), they and the
-    server would wait for it forever, holding its output open, out of reach of Slurm's
-    process tracking where it follows parents and children only.
-
-    The thread also takes the SIGTERM with which multiprocessing ends the workers when
-    their process exits after an error. Where the fork server blocks the stop signals
-    (the checkpointing steps), nothing else would: the exit would wait for the workers
-    until Slurm's SIGKILL, or for ever in a job of one task.
+    A worker whose process was killed (by the out-of-memory killer, say) may otherwise
+    wait for ever, holding the job's output open.
     """
 
     def watch():
         while True:
-            # A SIGTERM from anyone else (Slurm signals every process of a step) is
-            # dropped; the wait lasts at most a second.
+            # A SIGTERM from anyone else (Slurm signals the whole step) is dropped.
             received = signal.sigtimedwait({signal.SIGTERM}, 1)
             if received is not None and received.si_pid == rank_pid:
                 os._exit(0)
