@@ -203,6 +203,30 @@ def test_each_full_file_shows_its_file_and_copies_its_exact_bytes(site, base, co
     assert copied >= 30
 
 
+@pytest.mark.parametrize("page_name", ["clusters/generic.html", "clusters/mila.html"])
+def test_step_one_shows_its_lesson_and_folds_the_plumbing(base, context, page_name):
+    # Step 1's main.py: the lesson, then the plumbing in a folded block that opens on a
+    # click. Together they are the whole file, which the next tab shows and copies.
+    page = context.new_page()
+    page.goto(base + page_name)
+    page.add_style_tag(content="* { scroll-behavior: auto !important; }")
+    fold = page.locator("details.plumbing")
+    assert fold.count() == 1, page_name
+    lesson = fold.locator("xpath=..").locator("div.code-excerpt").first
+    plumbing = fold.locator("div.code-excerpt")
+    assert lesson.is_visible() and not plumbing.is_visible(), page_name
+    assert fold.get_attribute("open") is None
+    fold.locator("summary").click()
+    assert plumbing.is_visible(), f"{page_name}: the plumbing did not open"
+    path = lesson.locator("xpath=..").locator(".caption-text").inner_text()
+    whole = (ROOT / path).read_text()
+    cut = whole.index("# ---- Plumbing:")
+    assert lesson.locator("pre").inner_text().rstrip() == whole[:cut].rstrip(), path
+    assert plumbing.locator("pre").inner_text().rstrip() == whole[cut:].rstrip(), path
+    assert "# ---- Plumbing: the same in every example" in plumbing.inner_text()
+    page.close()
+
+
 def test_one_line_commands_copy_as_one_line(site, base, context):
     # Long commands wrap on screen; the copy must still be the single line.
     page = context.new_page()

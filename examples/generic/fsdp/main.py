@@ -372,7 +372,7 @@ def parse_args(argv=None):
     add("--max-restarts", type=int, default=20, help="requeues at most: loops end")
     # Speed settings. By default each is on where it pays: on GPUs (bf16: of compute
     # capability 8.0 and newer). --no-X turns one off, to measure what it buys.
-    for name in ("bf16", "channels-last", "cudnn-benchmark", "pin-memory"):
+    for name in ("bf16", "pin-memory"):
         add(f"--{name}", action=argparse.BooleanOptionalAction)
     add("--peak-tflops", type=float, help="the GPU's dense bf16 TFLOP/s, for the MFU")
     add("--benchmark", type=positive, metavar="N", help="time N batches, N steps")
@@ -776,7 +776,7 @@ def validate(
         last = last if batch is None else batch
         inputs, target = to_device(last, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            output = model(memory_layout(inputs, args)).float()
+            output = model(inputs).float()
         if batch is not None:
             n = len(target)
             sums[0] += loss_fn(output, target).double() * n
@@ -802,13 +802,10 @@ def speed_settings(args, device: torch.device) -> dict:
             f"has {torch.cuda.get_device_name(device) if cuda else 'a CPU'}. Leave it "
             "out to train in fp32."
         )
-    for name, default in [("bf16", bf16_ok), ("channels_last", cuda),
-                          ("cudnn_benchmark", cuda), ("pin_memory", cuda)]:  # fmt: skip
+    for name, default in [("bf16", bf16_ok), ("pin_memory", cuda)]:
         if getattr(args, name) is None:
             setattr(args, name, default)
-    # cuDNN times several algorithms for each new input shape, then keeps the fastest.
-    torch.backends.cudnn.benchmark = args.cudnn_benchmark
-    settings = ("bf16", "channels_last", "cudnn_benchmark", "pin_memory")
+    settings = ("bf16", "pin_memory")
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     return {"device": device_name, **{name: getattr(args, name) for name in settings}}
 
@@ -816,14 +813,6 @@ def speed_settings(args, device: torch.device) -> dict:
 def steps_per_epoch(args, train_loader: DataLoader) -> int:
     """Optimizer steps in what is left of the epoch: whole steps of micro-batches."""
     return len(train_loader) // args.accumulation_steps
-
-
-def memory_layout(inputs, args):
-    """Images channels last in memory (NHWC), the layout of the GPU's convolutions, when
-    channels_last is on; inputs that are not images (not 4-D) as they are."""
-    if args.channels_last and isinstance(inputs, Tensor) and inputs.dim() == 4:
-        return inputs.contiguous(memory_format=torch.channels_last)
-    return inputs
 
 
 def accumulate_gradients(model, batches, args, train_log: TrainLog) -> Tensor:
@@ -842,7 +831,7 @@ def accumulate_gradients(model, batches, args, train_log: TrainLog) -> Tensor:
             inputs, target = to_device(next(batches), device)
         # Autocast covers the forward pass; backward runs in its precisions.
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss = loss_fn(model(memory_layout(inputs, args)), target)
+            loss = loss_fn(model(inputs), target)
         # Each micro-batch weighs 1/n: the sum is the mean over the whole batch.
         (loss / args.accumulation_steps).backward()
         total += loss.detach()
@@ -880,7 +869,7 @@ def benchmark(model, optimizer, loader: DataLoader, args, place):
         begin = time.perf_counter()
         for _ in range(n if timed else 3):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                loss = loss_fn(model(memory_layout(inputs, args)), target)
+                loss = loss_fn(model(inputs), target)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -1041,7 +1030,7 @@ MAY_CHANGE_ON_RESUME = {
     "max_failed_saves", "max_restarts", "micro_batch_size", "peak_tflops",
     "batch_size", "accumulation_steps",  # set by main.py from --micro-batch-size
     # speed settings: the same training, faster
-    "bf16", "channels_last", "cudnn_benchmark", "pin_memory", "benchmark",
+    "bf16", "pin_memory", "benchmark",
 }  # fmt: skip
 
 
