@@ -34,7 +34,7 @@ PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 JOB_SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("examples/**/*.sh"))
 SITE_SCRIPTS = sorted(
     str(p.relative_to(ROOT))
-    for p in [*ROOT.glob("tests/sites/**/*"), *ROOT.glob("tests/hang/*")]
+    for p in [*ROOT.glob("tests/sites/**/*"), *ROOT.glob("tests/helpers/hang/*")]
     if p.suffix == ".sh" or p.name == "activate"
 )
 
@@ -76,9 +76,9 @@ def install(session: nox.Session, group: str) -> None:
 @nox.session
 def examples(session: nox.Session) -> None:
     """Runs every example in CPU gloo smoke mode, a line of results each; with
-    `-- --gpus`, on this node's GPUs with NCCL (tests/smoke.py)."""
+    `-- --gpus`, on this node's GPUs with NCCL (tests/helpers/smoke.py)."""
     install(session, "examples")
-    session.run("python", "tests/smoke.py", *session.posargs)
+    session.run("python", "tests/helpers/smoke.py", *session.posargs)
 
 
 @nox.session
@@ -86,10 +86,10 @@ def bench(session: nox.Session) -> None:
     """Samples/s of the template as each speed setting is turned on (GPU node).
 
     `nox -s bench -- --csv bench.csv -- --data-dir DIR` measures
-    your own data's input pipeline; see tests/bench.py.
+    your own data's input pipeline; see tests/tools/bench.py.
     """
     install(session, "examples")
-    session.run("python", "tests/bench.py", *session.posargs)
+    session.run("python", "tests/tools/bench.py", *session.posargs)
 
 
 @nox.session
@@ -114,7 +114,7 @@ def screenshots(session: nox.Session) -> None:
     """Builds the site; writes docs/images/mila-diff-{light,dark}.png (chromium)."""
     install(session, "docs")
     install(session, "browser")
-    session.run("python", "tests/screenshots.py", *session.posargs)
+    session.run("python", "tests/tools/screenshots.py", *session.posargs)
 
 
 @nox.session

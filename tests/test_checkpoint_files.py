@@ -104,7 +104,7 @@ CHECKPOINT_SAVE = (
 
 
 # Step 4's Checkpoint; the Mila step's and the template's are the same, byte for byte
-# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_examples.py).
+# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_layout.py).
 def test_killed_mid_save_keeps_the_newest_checkpoints(tmp_path):
     name = "generic/checkpointing"
     main = load_main(name)

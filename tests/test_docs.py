@@ -277,7 +277,7 @@ def test_a_page_authors_slips_are_reported_with_their_place(tmp_path, monkeypatc
 
 
 # ------------------------------------------------------------
-# Plain words (tests/page_text.py measures the pages' prose)
+# Plain words (tests/helpers/page_text.py measures the pages' prose)
 
 HOW_TO_PAGES = [p for p in page_text.PAGES if p.stem not in {"testing", "glossary"}]
 
@@ -316,7 +316,7 @@ def test_each_glossary_term_is_linked_where_a_page_first_uses_it(page):
         for term, (number, _, words, linked) in uses.items()
         if not linked
     }
-    assert not unlinked, "run `python tests/page_text.py --link-terms`"
+    assert not unlinked, "run `python tests/helpers/page_text.py --link-terms`"
 
 
 def test_the_page_measures_see_what_they_should(tmp_path):

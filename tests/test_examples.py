@@ -1,7 +1,6 @@
 """Every example, run in CPU smoke mode as its job.sh
 launches it, must train correctly."""
 
-import ast
 import dataclasses
 import re
 import signal
@@ -12,7 +11,6 @@ import pytest
 import tinyimagenet
 from smoke import (
     EXAMPLES,
-    EXAMPLES_DIR,
     GENERIC_SMOKE_ARGS,
     MORE_LAUNCHES,
     Launch,
@@ -23,33 +21,6 @@ from smoke import (
     numbers,
     run_example,
 )
-
-
-def test_every_example_folder_has_a_smoke_run():
-    folders = {
-        str(p.parent.relative_to(EXAMPLES_DIR)) for p in EXAMPLES_DIR.glob("**/main.py")
-    }
-    assert folders == set(EXAMPLES), "add new examples to EXAMPLES in tests/smoke.py"
-
-
-def test_every_process_group_forks_its_workers_from_a_server():
-    # A DataLoader worker fork()ed from a process that runs a process group's threads
-    # can hang before it starts, on Python up to 3.11.9 (see "Training hangs when
-    # validation begins" on the troubleshooting page). Every example with both must
-    # start its workers from a server.
-    both = [
-        path.parent.relative_to(EXAMPLES_DIR)
-        for path in sorted(EXAMPLES_DIR.glob("**/main.py"))
-        if "DistributedDataParallel(" in (source := path.read_text())
-        and re.search(r"num_workers", source)
-    ]
-    # Mila's and Ibex's multi-process steps, the generic steps 2 to 5, the launchers'
-    assert len(both) >= 12, both
-    for folder in both:
-        source = (EXAMPLES_DIR / folder / "main.py").read_text()
-        assert 'multiprocessing.set_start_method("forkserver", force=True)' in source, (
-            folder
-        )
 
 
 @pytest.mark.parametrize("name", [n for n, launch in EXAMPLES.items() if launch.trains])
@@ -192,98 +163,6 @@ def test_tinyimagenet_validation_labels_follow_the_annotations(name, tmp_path):
     assert tuple(image.shape) == (3, 64, 64)
 
 
-# The plumbing section: what every example needs, the same in every file that has it.
-PLUMBING = "# ---- Plumbing: the same in every example"
-PLUMBING_NAMES = [
-    "Place", "setup", "find_place", "rendezvous", "use_gpus", "get_device",
-    "get_num_workers", "end_with_rank",
-]  # fmt: skip
-# Every example: one file structure, and one plumbing.
-STRUCTURED = list(EXAMPLES)
-
-
-def main_source(name: str) -> str:
-    return (EXAMPLES_DIR / name / "main.py").read_text()
-
-
-def plumbing(name: str) -> dict[str, str]:
-    """The source of each definition in the example's plumbing section, by name."""
-    source = (EXAMPLES_DIR / name / "main.py").read_text()
-    assert PLUMBING in source, f"{name}: no plumbing section"
-    section = source[source.index(PLUMBING) :]
-    tree = ast.parse(section)
-    return {
-        node.name: ast.get_source_segment(section, node)
-        for node in tree.body
-        if isinstance(node, ast.FunctionDef | ast.ClassDef)
-    }
-
-
-def test_the_plumbing_is_the_same_in_every_example():
-    reference = plumbing("generic/single_gpu")
-    assert list(reference) == PLUMBING_NAMES
-    for name in STRUCTURED:
-        # Byte for byte: a fix in one copy must reach every other.
-        assert plumbing(name) == reference, f"{name}: its plumbing differs"
-
-
-# The checkpointing programs' own parts that must not drift apart: how the ranks agree
-# to stop or save, and how a stop signal is noted.
-CHECKPOINTING = [name for name in STRUCTURED if "class Checkpoint" in main_source(name)]
-SHARED_BY_CHECKPOINTING = [
-    "Agreement", "note_stop_signal", "catch_stop_signals", "start_fork_server",
-    "ResumableSampler", "SeededSamples", "save_atomically", "requeue", "stop_for_good",
-]  # fmt: skip
-
-
-def definitions(name: str) -> dict[str, str]:
-    source = main_source(name)
-    return {
-        node.name: ast.get_source_segment(source, node)
-        for node in ast.parse(source).body
-        if isinstance(node, ast.FunctionDef | ast.ClassDef)
-    }
-
-
-# What the DDP ones share besides: their checkpoints, written and read the same way.
-# The tests of a save in one of them hold for all three.
-SHARED_BY_DDP_CHECKPOINTING = ["Checkpoint", "checkpoints", "readable_checkpoint"]
-
-
-def test_the_checkpointing_programs_stop_and_save_the_same_way():
-    assert len(CHECKPOINTING) == 4, CHECKPOINTING
-    reference = definitions("generic/checkpointing")
-    for name in CHECKPOINTING:
-        mine = definitions(name)
-        shared = SHARED_BY_CHECKPOINTING
-        if name != "generic/fsdp":
-            shared = [*shared, *SHARED_BY_DDP_CHECKPOINTING]
-        for part in shared:
-            assert mine[part] == reference[part], f"{name}: its {part} differs"
-
-
-def test_setup_gives_one_named_tuple_in_one_order():
-    # Rank first, local rank second: a copy of setup() moved between files must never
-    # swap them, which nothing would show on one node.
-    for name in STRUCTURED:
-        place = load_main(name).Place(rank=5, local_rank=1, world_size=8)
-        assert tuple(place) == (5, 1, 8) and place.local_rank == 1
-
-
-def test_every_main_is_a_table_of_contents():
-    for path in sorted(EXAMPLES_DIR.glob("**/main.py")):
-        name = str(path.parent.relative_to(EXAMPLES_DIR))
-        if name not in STRUCTURED:
-            continue
-        [main] = [
-            node
-            for node in ast.parse(path.read_text()).body
-            if isinstance(node, ast.FunctionDef) and node.name == "main"
-        ]
-        # About a screen: the calls in order, with the comments that say why.
-        assert main.end_lineno - main.lineno + 1 <= 64, f"{name}: main() too long"
-
-
 @pytest.mark.parametrize("launch", [EXAMPLES["generic/multi_node"],
                                     *dict(MORE_LAUNCHES).values()])  # fmt: skip
 def test_one_main_py_runs_under_each_launcher(launch, smoke_run):
@@ -326,7 +205,7 @@ def test_a_rank_outside_the_world_is_refused():
     assert "rank 3 does not fit a world of 1: srun's variables" in run.output
 
 
-GENERIC_DATA = [name for name in STRUCTURED if EXAMPLES[name].dataset == "imagefolder"]
+GENERIC_DATA = [name for name in EXAMPLES if EXAMPLES[name].dataset == "imagefolder"]
 
 
 @pytest.mark.parametrize("name", GENERIC_DATA)

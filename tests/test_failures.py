@@ -505,11 +505,11 @@ def test_a_job_that_crashes_every_time_stops_at_its_budget(lab, tmp_path):
 
 
 def test_a_job_that_stops_on_its_own_error_is_not_requeued(lab, tmp_path):
-    # Every save from step 8 on fails, as on a full disk (tests/faults/): after 2 in a
-    # row, main.py stops every rank with the cause. A person must act, so job.sh must
-    # not requeue the job, although this start saved a checkpoint (step 4).
+    # Every save from step 8 on fails, as on a full disk (tests/helpers/faults/): after
+    # 2 in a row, main.py stops every rank with the cause. A person must act, so job.sh
+    # must not requeue the job, although this start saved a checkpoint (step 4).
     name = "generic/checkpointing"
-    faults = str(Path(__file__).parent / "faults")
+    faults = str(Path(__file__).parent / "helpers" / "faults")
     job_id = submit(
         lab, name, *LONG_RUN, "--checkpoint-every-steps", "4", "--max-failed-saves",
         "2", workdir=tmp_path, PYTHONPATH=faults,
@@ -648,7 +648,7 @@ def test_master_port_in_use_fails_fast(lab, tmp_path):
         holder.kill()
         holder.wait()
     # The first task on cn1 serves the rendezvous: rank 0, but for Slurm 26.05's
-    # order of tasks (tests/slurm_lab.py, topology.conf).
+    # order of tasks (tests/helpers/slurm_lab.py, topology.conf).
     assert re.search(
         rf"rank \d+ cannot listen on port {port} of cn1: another process holds it",
         job.output,

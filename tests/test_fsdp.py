@@ -60,7 +60,7 @@ def record_steps(world_size: int, tmp_path: Path, **env) -> list[dict]:
                 subprocess.Popen(
                     [
                         sys.executable,
-                        str(TESTS / "fsdp_steps.py"),
+                        str(TESTS / "helpers" / "fsdp_steps.py"),
                         str(out),
                         *ONE_EPOCH,
                     ],
@@ -274,8 +274,8 @@ def test_a_killed_run_resumes_from_its_newest_checkpoint(tmp_path, uninterrupted
 
 
 # Makes the sync of a checkpoint file fail with ENOSPC, as a full disk or quota does
-# (tests/faults/sitecustomize.py).
-FAULTS = {"PYTHONPATH": str(Path(__file__).parent / "faults")}
+# (tests/helpers/faults/sitecustomize.py).
+FAULTS = {"PYTHONPATH": str(Path(__file__).parent / "helpers" / "faults")}
 
 
 def test_a_background_save_that_fails_is_logged_and_the_next_one_saves(

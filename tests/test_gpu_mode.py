@@ -10,7 +10,7 @@ import pytest
 import torch
 from smoke import EXAMPLES, Run, check_gpu_run, gpu_launch
 
-SMOKE = Path(__file__).resolve().parent / "smoke.py"
+SMOKE = Path(__file__).resolve().parent / "helpers" / "smoke.py"
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])

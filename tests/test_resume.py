@@ -174,7 +174,7 @@ def test_a_stop_during_validation_saves_at_once_and_validates_on_resumption(tmp_
 
 
 # Step 4's; the Mila step's Checkpoint and requeue() are the same, byte for byte
-# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_examples.py).
+# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_layout.py).
 @pytest.mark.parametrize("name", ["generic/checkpointing"])
 def test_a_job_that_restarted_too_often_is_not_requeued(tmp_path, name):
     # The warning before the time limit makes rank 0 requeue the job.
@@ -203,7 +203,7 @@ def test_a_job_that_restarted_too_often_is_not_requeued(tmp_path, name):
 
 
 # Step 4's; the Mila step's Checkpoint and requeue() are the same, byte for byte
-# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_examples.py).
+# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_layout.py).
 @pytest.mark.parametrize("name", ["generic/checkpointing"])
 def test_a_run_with_other_settings_does_not_resume_from_the_checkpoint(tmp_path, name):
     # A trial run, or a run with another batch size, leaves a checkpoint in the run's
@@ -222,8 +222,8 @@ def test_a_run_with_other_settings_does_not_resume_from_the_checkpoint(tmp_path,
 
 
 # Counts each process's calls of torch.distributed's collectives, by group
-# (tests/collectives/sitecustomize.py).
-COUNTING = {"PYTHONPATH": str(Path(__file__).parent / "collectives")}
+# (tests/helpers/collectives/sitecustomize.py).
+COUNTING = {"PYTHONPATH": str(Path(__file__).parent / "helpers" / "collectives")}
 
 
 def collectives(output: str) -> list[dict]:
@@ -232,7 +232,7 @@ def collectives(output: str) -> list[dict]:
 
 
 # Step 4 and FSDP2; the Mila step and the template agree the same way, byte for byte
-# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_examples.py).
+# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_layout.py).
 @pytest.mark.parametrize("name", ["generic/checkpointing", "generic/fsdp"])
 def test_the_stop_agreement_adds_no_collective_to_the_default_group(tmp_path, name):
     # On GPUs the default group is NCCL's, and its collectives on GPU tensors: one per
@@ -271,8 +271,9 @@ def test_a_save_that_the_clock_asks_for_is_made_once(tmp_path):
 
 
 # Makes the sync of a checkpoint file fail with ENOSPC, as a full disk or quota does
-# (tests/faults/sitecustomize.py): FAIL_SAVE names the files, FAIL_SAVE_TIMES how often.
-FAULTS = {"PYTHONPATH": str(Path(__file__).parent / "faults")}
+# (tests/helpers/faults/sitecustomize.py): FAIL_SAVE names the files, FAIL_SAVE_TIMES
+# how often.
+FAULTS = {"PYTHONPATH": str(Path(__file__).parent / "helpers" / "faults")}
 # Step 4, 2 processes, saving every 4 steps and at the end of 2 epochs of 12 steps.
 SAVING = (
     "--synthetic-data", "--synthetic-size", "200", "--synthetic-classes", "4",

@@ -126,7 +126,7 @@ JOBS_TIMEOUT = pytest.mark.timeout(1800)
     "name", [pytest.param(name, marks=completion_marks(name)) for name in NAMES]
 )
 def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
-    assert name in EXAMPLES, f"{name}: add it to EXAMPLES in tests/smoke.py"
+    assert name in EXAMPLES, f"{name}: add it to EXAMPLES in tests/helpers/smoke.py"
     job = jobs(name)
     report = (
         f"job {job.job_id}: {job.state} {job.exit_code} in {job.elapsed:.0f} s\n"
@@ -204,7 +204,7 @@ def test_the_template_unpacks_the_dataset_on_every_node(lab, jobs, name):
     assert re.search(
         rf"Unpacked the dataset in {unpacked} on every node in \d+ s", job.output
     ), job.output
-    # Each node has its own local disk (tests/slurm_lab.py): both hold a full copy.
+    # Each node has its own local disk (slurm_lab.py): both hold a full copy.
     shared = lab.state / "scratch" / "data" / "imagenet"
     images = sorted(p.relative_to(shared) for p in shared.rglob("*") if p.is_file())
     assert images

@@ -262,8 +262,8 @@ def test_benchmark_reports_both_rates_for_each_row(tmp_path):
     # Two CPUs for the process, whatever this machine has: one DataLoader worker.
     env = {**base_env(), "SLURM_CPUS_PER_TASK": "2"}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "bench.py"), "--steps", "3", "--csv",
-         str(csv_file), "--", "--model", "resnet18", "--image-size", "32",
+        [sys.executable, str(ROOT / "tests" / "tools" / "bench.py"), "--steps", "3",
+         "--csv", str(csv_file), "--", "--model", "resnet18", "--image-size", "32",
          "--batch-size", "8", "--data-dir", str(tmp_path / "images")],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

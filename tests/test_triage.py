@@ -1,5 +1,6 @@
 """The troubleshooting page's triage of a hung job, on the test cluster: its commands
-are taken from the page and run against a job that hangs on purpose (tests/hang/)."""
+are taken from the page and run against a job that hangs on purpose
+(tests/helpers/hang/)."""
 
 import re
 import shutil
@@ -15,7 +16,7 @@ from smoke import EXAMPLES_DIR
 
 pytestmark = pytest.mark.slurm
 
-HANG = Path(__file__).resolve().parent / "hang" / "job.sh"
+HANG = Path(__file__).resolve().parent / "helpers" / "hang" / "job.sh"
 JOB_ID = "12345"  # the job ID in the page's commands
 STACK = re.compile(r"^=== (\S+) pid (\d+) \(parent \d+\) rank (\d+): (.*)$", re.M)
 

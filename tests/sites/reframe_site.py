@@ -3,8 +3,8 @@ each setting means), for `reframe -C tests/sites/reframe_site.py -c checks/ -r`.
 
 Each environment stands for a site: its jobs read that site's profile
 (tests/sites/<site>/profile.sh) through BASH_ENV, as the tests' own submissions do
-(slurm_lab.Lab.env), and each example's short run is its smoke run (tests/smoke.py), so
-that the Slurm tests can read the jobs of this run.
+(slurm_lab.Lab.env), and each example's short run is its smoke run
+(tests/helpers/smoke.py), so that the Slurm tests can read the jobs of this run.
 """
 
 import sys
@@ -48,7 +48,7 @@ site_configuration = {
     "systems": [
         {
             "name": "lab",
-            "descr": "the Slurm test cluster of tests/slurm_lab.py",
+            "descr": "the Slurm test cluster of tests/helpers/slurm_lab.py",
             "hostnames": [".*"],
             "modules_system": "nomod",
             "partitions": [

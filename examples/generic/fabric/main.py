@@ -182,7 +182,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# ---- Plumbing: the same in every example (tests/test_examples.py checks it) ----------
+# ---- Plumbing: the same in every example (tests/test_layout.py checks it) ------------
 
 
 class Place(NamedTuple):

@@ -271,12 +271,9 @@ def main():
     args = parse_args()
     place = setup(args.rendezvous_timeout)
     device = get_device(place.local_rank)
-    # Plain lines with a time stamp: a batch job's output is a file.
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s [{place.rank}/{place.world_size}] %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    # Plain lines with a time stamp and the rank: a batch job's output is a file.
+    line = f"%(asctime)s [{place.rank}/{place.world_size}] %(message)s"
+    logging.basicConfig(level=logging.INFO, format=line, datefmt="%H:%M:%S")
     log.info(f"Running on {socket.gethostname()}, device {device}")
     # From here on, only rank 0 logs: every process holds the same numbers.
     log.setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
@@ -297,10 +294,9 @@ def main():
     if args.benchmark:
         return benchmark(model, optimizer, loaders[0], args, place)
     scheduler = make_scheduler(args, optimizer, steps_per_epoch(args, loaders[0]))
-    log.info(
-        f"Global batch: {args.batch_size} x {args.accumulation_steps} micro-batches x "
-        f"{place.world_size} processes = {args.global_batch_size}"
-    )
+    shares = f"{args.batch_size} x {args.accumulation_steps} micro-batches"
+    shares += f" x {place.world_size} processes"
+    log.info(f"Global batch: {shares} = {args.global_batch_size}")
     progress, train_log = Progress(), TrainLog(device, args)
     checkpoint = Checkpoint(args)
     checkpoint.load(model, optimizer, scheduler, progress, train_log)
@@ -911,11 +907,8 @@ class Agreement:
     """What all ranks decide together between two steps: to stop, on a signal that any
     rank got, or to save, once any rank's clock says that a checkpoint is due.
 
-    Without making the GPU wait: the flags are CPU tensors, combined (the largest of
-    each) over a gloo group of their own, sent at one call and read at the next. The CPU
-    queues the GPU's next steps meanwhile. Each decision lands one step after it was
-    sent, at the same step on every rank: every rank makes the same calls in the same
-    order.
+    The flags are CPU tensors, combined over a gloo group of their own, sent at one step
+    and read at the next, at the same step on every rank: the GPU never waits for them.
     """
 
     def __init__(self, save_every_minutes: float):
@@ -957,9 +950,9 @@ class Agreement:
 
 
 def start_fork_server():
-    """Starts the process that DataLoader workers are forked from, with the stop
-    signals blocked, and so its workers: Slurm signals every process of a step, and a
-    worker that died of one would fail this process before it could save."""
+    """Starts the fork server of the DataLoader workers with the stop signals blocked:
+    Slurm signals every process of a step, and a worker killed by one would fail this
+    process before it could save."""
     stop_signals = {signal.SIGTERM, signal.SIGUSR1}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
@@ -973,14 +966,10 @@ def start_fork_server():
 
 
 class SeededSamples(Dataset):
-    """The training set, each sample's random draws seeded by the run's seed, the
-    epoch and the sample's index alone: a random crop or flip comes out the same
-    whichever worker, process or run loads the sample. So a resumed run, whose new
-    workers would otherwise draw other numbers, trains on the very same batches.
-
-    It covers every transform that draws from torch's or Python's random numbers, as
-    torchvision's do. (Seed numpy's global generator here too if yours draw from it.)
-    """
+    """The training set, each sample's random draws (torch's and Python's, as
+    torchvision's transforms make) seeded by the run's seed, the epoch and the index
+    alone: a resumed run's new workers make the very same batches. (Seed numpy's global
+    generator here too if your transforms draw from it.)"""
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset, self.seed = dataset, seed
@@ -993,8 +982,7 @@ class SeededSamples(Dataset):
         # A tuple of whole numbers hashes to the same number in every process and run.
         seed = hash((self.seed, epoch, index))
         python_state = random.getstate()
-        # Training's own random numbers (dropout, say) stay as they were: on the CPU
-        # when num_workers is 0, where this runs in the training process itself.
+        # Training's own random numbers stay as they were (with num_workers 0).
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
             random.seed(seed)
@@ -1316,8 +1304,7 @@ def save_atomically(state: dict, path: Path):
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
-            # On disk before the rename, so that a crash of the
-            # node cannot leave an empty file.
+            # On disk before the rename: a crash cannot leave an empty file.
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -1356,16 +1343,15 @@ def requeue(max_restarts: int, folder: Path):
 
 
 def stop_for_good(folder: Path, message: str):
-    """Ends this process with `message`, an error that a person must act on. The mark
-    it leaves in the checkpoint folder tells job.sh not to requeue the job, as it does
-    after a crash."""
+    """Ends this process with `message`, an error that a person must act on. Its mark
+    in the checkpoint folder tells job.sh not to requeue the job."""
     # On a full disk, say, the mark may fail: job.sh's limit on requeues still holds.
     with contextlib.suppress(OSError):
         (folder / "stopped-on-error").touch()
     raise SystemExit(message)
 
 
-# ---- Plumbing: the same in every example (tests/test_examples.py checks it) ----------
+# ---- Plumbing: the same in every example (tests/test_layout.py checks it) ------------
 
 
 class Place(NamedTuple):

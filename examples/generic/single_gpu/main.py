@@ -131,9 +131,8 @@ def main():
     place = setup()
     device = get_device(place.local_rank)
     # Plain lines with a time stamp: a batch job's output is a file.
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
-    )
+    line = "%(asctime)s %(message)s"
+    logging.basicConfig(level=logging.INFO, format=line, datefmt="%H:%M:%S")
     log.info(f"Running on {socket.gethostname()}, device {device}")
 
     train_set, valid_set, num_classes = make_datasets(args)
@@ -323,7 +322,7 @@ def validate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict
     return {"val_loss": loss / n, "val_accuracy": right / n, "val_samples": int(n)}
 
 
-# ---- Plumbing: the same in every example (tests/test_examples.py checks it) ----------
+# ---- Plumbing: the same in every example (tests/test_layout.py checks it) ------------
 
 
 class Place(NamedTuple):

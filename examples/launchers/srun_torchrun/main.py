@@ -134,12 +134,9 @@ def main():
     args = parse_args()
     place = setup(args.rendezvous_timeout)
     device = get_device(place.local_rank)
-    # Plain lines with a time stamp: a batch job's output is a file.
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s [{place.rank}/{place.world_size}] %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    # Plain lines with a time stamp and the rank: a batch job's output is a file.
+    line = f"%(asctime)s [{place.rank}/{place.world_size}] %(message)s"
+    logging.basicConfig(level=logging.INFO, format=line, datefmt="%H:%M:%S")
     log.info(f"Running on {socket.gethostname()}, device {device}")
     # From here on, only rank 0 logs: every process holds the same numbers.
     log.setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
@@ -369,7 +366,7 @@ def validate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict
     return {"val_loss": loss / n, "val_accuracy": right / n, "val_samples": int(n)}
 
 
-# ---- Plumbing: the same in every example (tests/test_examples.py checks it) ----------
+# ---- Plumbing: the same in every example (tests/test_layout.py checks it) ------------
 
 
 class Place(NamedTuple):

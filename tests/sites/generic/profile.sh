@@ -3,7 +3,7 @@
 # - $HOME/venvs/ddp: a virtual environment with the examples' dependencies, bind-mounted
 #   on every node from tests/sites/generic/venv;
 # - $SCRATCH, shared by the nodes and kept between jobs, for checkpoints, and
-#   with data/imagenet: a small image folder made by tests/tinyimagenet.py
+#   with data/imagenet: a small image folder made by tests/helpers/tinyimagenet.py
 #   when the cluster starts, in ImageNet's train/<class>/ and val/<class>/
 #   layout, for the image_classifier example, and imagenet.tar, an archive of it
 #   that the template copies to each node;

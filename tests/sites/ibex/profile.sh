@@ -4,7 +4,7 @@
 #   knows the environment dist-pytorch
 #   (tests/sites/ibex/miniconda3/bin/activate); Ibex's scripts load no module;
 # - /ibex/ai/reference/CV/tinyimagenet: a small synthetic TinyImageNet in the real
-#   layout, made by tests/tinyimagenet.py when the cluster starts;
+#   layout, made by tests/helpers/tinyimagenet.py when the cluster starts;
 # - two network interfaces per node, the second standing in for InfiniBand, as on Ibex.
 # - no $SLURM_TMPDIR: the cluster's TaskProlog gives every job one, which this removes.
 export LAB_MODULES=""

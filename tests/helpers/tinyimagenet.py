@@ -91,6 +91,6 @@ def _image(colour: tuple[int, int, int], rng: random.Random) -> Image.Image:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python tests/tinyimagenet.py DIR")
+        sys.exit("usage: python tests/helpers/tinyimagenet.py DIR")
     make(Path(sys.argv[1]))
     print(f"synthetic TinyImageNet written to {sys.argv[1]}")

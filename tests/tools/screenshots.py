@@ -1,18 +1,29 @@
 """Screenshots of the site: the Mila page's first diff, in light and in dark mode.
 
-    nox -s screenshots             builds the site, writes docs/images/mila-diff-*.png
-    python tests/screenshots.py DIR --site SITE    the same into DIR, from a built SITE
+    nox -s screenshots      builds the site, writes docs/images/mila-diff-*.png
+    python tests/tools/screenshots.py DIR --site SITE   the same into DIR, from SITE
 
 The README shows the light one, so that a visitor sees what the guide looks like before
 building it. Run it again after a change to how code looks, and commit the pictures.
 """
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
 from playwright.sync_api import sync_playwright
-from site_browser import LAPTOP, ROOT, build_site, launch, serve, show_first_diff
+
+# The helpers (smoke.py and the rest) sit in tests/helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from site_browser import (  # noqa: E402
+    LAPTOP,
+    ROOT,
+    build_site,
+    launch,
+    serve,
+    show_first_diff,
+)
 
 
 def take(site: Path, out: Path) -> list[Path]:

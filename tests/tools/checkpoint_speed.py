@@ -7,8 +7,8 @@ model at its default size and at a larger one, with AdamW's state after one step
 row gives the checkpoint's size and the seconds per GiB; the guide's pages quote them,
 labelled with the machine they were measured on.
 
-    python tests/checkpoint_speed.py         # both sizes, in ./checkpoint-speed
-    python tests/checkpoint_speed.py --folder /scratch/me/speed --sizes default
+    python tests/tools/checkpoint_speed.py         # both sizes, in ./checkpoint-speed
+    python tests/tools/checkpoint_speed.py --folder /scratch/me/speed --sizes default
 
 Run it on the storage your checkpoints go to: a parallel file system differs from a
 local disk by far more than one machine does from another.
@@ -19,14 +19,19 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from smoke import load_main
 
-# The FSDP2 step's model sizes: its defaults (about 34 M parameters), and a larger one.
+# The helpers (smoke.py and the rest) sit in tests/helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from smoke import load_main  # noqa: E402
+
+# The FSDP2 step's model sizes: its defaults (about 34 M parameters), a larger one, and
+# a tiny one (the test that keeps this script working: tests/test_tools.py).
 SIZES = {
     "default": [],
     "larger": [
@@ -39,13 +44,27 @@ SIZES = {
         "--vocab-size",
         "32768",
     ],
+    "tiny": [
+        "--dim",
+        "64",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--vocab-size",
+        "512",
+        "--seq-len",
+        "32",
+    ],  # fmt: skip
 }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--folder", type=Path, default=Path("checkpoint-speed"))
-    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument(
+        "--sizes", nargs="+", choices=list(SIZES), default=["default", "larger"]
+    )
     options = parser.parse_args()
     os.environ.setdefault("TRAIN_ON_CPU", "1")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

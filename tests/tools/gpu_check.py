@@ -11,7 +11,7 @@
 
 A developer's tool for a GPU node, not part of the test suite (no GPU there).
 
-    python tests/gpu_check.py [--skip-examples]
+    python tests/tools/gpu_check.py [--skip-examples]
 """
 
 from __future__ import annotations
@@ -25,10 +25,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import smoke
+# The helpers (smoke.py and the rest) sit in tests/helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+import smoke  # noqa: E402
 import torch
-from other_model import MODEL_ARGS, write_language_model_template
-from smoke import EXAMPLES_DIR, ON_GPUS, Launch, base_env, check_run, run_example
+from other_model import MODEL_ARGS, write_language_model_template  # noqa: E402
+from smoke import (  # noqa: E402
+    EXAMPLES_DIR,
+    ON_GPUS,
+    Launch,
+    base_env,
+    check_run,
+    run_example,
+)
 
 SEQUENCE_ARGS = (
     *MODEL_ARGS, "--synthetic-data", "--synthetic-size", "6000", "--batch-size", "64",

@@ -10,7 +10,7 @@ GPUs without a GPU, and bf16 on GPUs older than compute capability 8.0.
 
     nox -s bench                  # ResNet-50 at 224 px, synthetic images
     nox -s bench -- --csv bench.csv -- --data-dir /path/to/imagenet
-    python tests/bench.py --steps 20 -- --model resnet18 --batch-size 64
+    python tests/tools/bench.py --steps 20 -- --model resnet18 --batch-size 64
 
 Arguments after `--` go to main.py. With --data-dir, the input pipeline decodes and
 augments your JPEGs, which is what it costs in training; synthetic images cost next to
@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "generic" / "template"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "generic" / "template"
 
 # The settings in the order the rows turn them on, each row
 # keeping those above it: the arguments that turn it off, those

@@ -26,8 +26,8 @@ submitted unchanged.
 Used by the test suite, and by hand as root, with a Python that has the examples'
 dependencies (the profiles hand it to the jobs), e.g. .nox/tests/bin/python:
 
-    python tests/slurm_lab.py up [22.05|24.11|26.05]  # install, start, print exports
-    python tests/slurm_lab.py down                    # stop, remove what `up` made
+    python tests/helpers/slurm_lab.py up [22.05|24.11|26.05]  # start, print exports
+    python tests/helpers/slurm_lab.py down                    # stop, remove it all
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from pathlib import Path
 import tinyimagenet
 
 STATE = Path("/tmp/ddp-slurm-lab")
-PROJECT = Path(__file__).resolve().parent.parent
+PROJECT = Path(__file__).resolve().parents[2]
 SITES = PROJECT / "tests" / "sites"
 # Two networks, as on clusters whose nodes have Ethernet and
 # InfiniBand: each node has an address on both, and `hostname -I`
@@ -520,7 +520,7 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             f"""\
 #!/bin/sh
 # Runs a command of Slurm {self.version} inside {self.root}, in the caller's folder,
-# with the host folders that jobs use at the same paths. Written by tests/slurm_lab.py.
+# with the host folders that jobs use at the same paths. Written by slurm_lab.py.
 set -e
 if [ -e /{INSIDE_MARK} ]; then exec "$@"; fi  # already inside, as a job's srun is
 exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh -c '
@@ -782,7 +782,7 @@ def make_root(suite: str) -> Path:
     root = ROOTS / f"debian-{suite}"
     # The mark names what the root was made with: a root
     # made with other packages is made anew.
-    mark = f"Debian {suite} root of tests/slurm_lab.py, packages {packages_digest()}\n"
+    mark = f"Debian {suite} root of slurm_lab.py, packages {packages_digest()}\n"
     if (root / INSIDE_MARK).exists() and (root / INSIDE_MARK).read_text() == mark:
         return root
     # Made beside its final place and renamed when complete: an interrupted run leaves

@@ -11,7 +11,7 @@ With COUNT_CUDA_SYNCS=1 on a GPU, it also counts the times the process waited fo
 GPU (torch.cuda.set_sync_debug_mode), as `cuda_syncs`.
 
 Used by test_the_stop_agreement_adds_no_collective_to_the_default_group
-(tests/test_resume.py) and by tests/gpu_check.py.
+(tests/test_resume.py) and by tests/tools/gpu_check.py.
 """
 
 import atexit

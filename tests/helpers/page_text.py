@@ -1,14 +1,15 @@
 """The prose of the site's pages, as a reader reads it: what the page tests measure.
 
-`python tests/page_text.py` prints, per page, how often it mentions the tests outside a
-link to the testing page, its sentences of more than 35 words, and its longest one.
+`python tests/helpers/page_text.py` prints, per page, how often it mentions the tests
+outside a link to the testing page, its sentences of more than 35 words, and its longest
+one.
 """
 
 import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = sorted(
     p

@@ -6,14 +6,14 @@ And token files for it to train on.
 test_template.py trains, validates, stops and resumes the result, directly and under
 Slurm; gpu_check.py runs it on a GPU with the GPU-only settings on.
 
-    python tests/other_model.py FOLDER    # writes the template with it into FOLDER
+    python tests/helpers/other_model.py FOLDER  # writes the template with it there
 """
 
 import shutil
 import sys
 from pathlib import Path
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "examples" / "generic" / "template"
+TEMPLATE = Path(__file__).resolve().parents[2] / "examples" / "generic" / "template"
 SECTION_START = "# ---- Your model and data"
 SECTION_END = "# ---- Training"
 

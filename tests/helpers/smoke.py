@@ -8,9 +8,9 @@ it: torchrun, or the deprecated torch.distributed.launch, which then start main.
 per (pretend) GPU. The Slurm tests (test_slurm.py) submit the job.sh files themselves to
 a real cluster, with the same arguments.
 
-    python tests/smoke.py                  # every example, one line each
-    python tests/smoke.py mila/multi_gpu   # just these
-    python tests/smoke.py --gpus           # on this node's GPUs, with NCCL
+    python tests/helpers/smoke.py                  # every example, one line each
+    python tests/helpers/smoke.py mila/multi_gpu   # just these
+    python tests/helpers/smoke.py --gpus           # on this node's GPUs, with NCCL
 
 With --gpus (`nox -s examples -- --gpus` on a GPU node), each example runs on the GPUs
 of the node, a process per GPU, started as its job.sh starts them (gpu_launch()), and
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import tinyimagenet
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 
 # Small and fast, but through the same code as a real run: sampler, training steps,
 # validation. 250 synthetic images leave 25 for validation, a count that 2 and 3
