@@ -2,25 +2,20 @@
 all processes instead of copied whole to each.
 
 Over step 5:
-- the model is a small decoder-only transformer language model, its sizes set by flags,
-  trained on files of token ids (train.bin and val.bin) or on synthetic sequences;
-- fully_shard() splits the embeddings, each block, and the last norm with the output
-  layer over all processes. Each keeps 1/world_size of the parameters, gradients and
-  optimizer state, and gathers one unit's parameters at a time to compute with;
-- the model is created on the meta device, without memory, and filled in one parameter
-  at a time: no process ever holds the whole model;
-- with bf16, the parameters are gathered in bf16, and the gradients reduced in float32;
-- --global-batch-size fixes the batch of a step over all processes, so that a
-  checkpoint resumes on another number of processes, on the same batches; each process
-  takes its share in micro-batches of --micro-batch-size, so that its activations'
-  memory does not depend on the number of processes;
-- gradients clipped to a norm of --grad-clip; the log gives tokens/s and the model
-  FLOPs utilisation (MFU);
-- a checkpoint is a folder that every rank writes its own shard to
-  (torch.distributed.checkpoint), under a temporary name renamed when complete; the
-  periodic ones are written in the background while training goes on.
-Left out: torch.compile, which with FSDP2 is usually applied to each block before
-sharding.
+- a small decoder-only transformer language model, trained on files of token ids
+  (train.bin and val.bin) or on synthetic sequences;
+- fully_shard() splits the embeddings, each block, and the output over all processes:
+  each keeps 1/world_size of the parameters, gradients and optimizer state, and
+  gathers one unit's parameters at a time to compute with;
+- the model is made on the meta device and filled in one parameter at a time: no
+  process ever holds the whole model;
+- --global-batch-size fixes a step's batch over all processes, so that a checkpoint
+  resumes on another number of processes, on the same batches; --micro-batch-size
+  bounds each process's activations;
+- gradients clipped to --grad-clip; the log gives tokens/s and the MFU;
+- a checkpoint is a folder of every rank's shards (torch.distributed.checkpoint), the
+  periodic ones written in the background while training goes on.
+Left out: torch.compile, usually applied to each block before sharding.
 
 Try the job before the data is in place, as a run of its own name:
 `sbatch --job-name=trial job.sh --synthetic-data --max-steps 200`.
@@ -438,20 +433,16 @@ def shard_model(model: nn.Module, device: torch.device, args) -> nn.Module:
     # the accelerator, which fails for a gloo group on a CUDA build of torch
     # (pytorch#132471).
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    # With bf16, FSDP2 casts each shard to bf16 before gathering it: half the bytes to
-    # send. Gradients are reduce-scattered in float32, so that their sum over processes
-    # keeps its precision, and the optimizer updates the float32 shards. On CPUs, all
-    # stays float32: gloo's bf16 collectives have failed in some versions of torch.
+    # With bf16, shards are gathered in bf16 (half the bytes) and gradients reduced in
+    # float32, to keep the sum's precision. On CPUs all stays float32: gloo's bf16
+    # collectives have failed in some versions of torch.
     policy = MixedPrecisionPolicy()
     if args.bf16:
         policy = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
-    # Each unit is gathered whole for its forward, freed, gathered again for its
-    # backward, and its gradients reduce-scattered while the next unit computes; FSDP2
-    # gathers the next unit while this one computes. The embeddings are a unit, and the
-    # last norm with the output layer: as part of the root, they would stay gathered
-    # for the whole step (for a large vocabulary, two vocab x dim matrices). The units
-    # that end the forward pass, the last block and the output, stay gathered for the
-    # backward pass, which starts with them.
+    # Each unit is gathered for its forward, freed, gathered again for its backward,
+    # while the next one computes. The embeddings and the output are units of their own:
+    # in the root, they would stay gathered all step (two vocab x dim matrices). The
+    # last block and the output stay gathered for the backward pass, which starts there.
     fully_shard([model.embed, model.position], mesh=mesh, mp_policy=policy)
     for i, block in enumerate(model.blocks):
         last = i == len(model.blocks) - 1
@@ -465,16 +456,12 @@ def shard_model(model: nn.Module, device: torch.device, args) -> nn.Module:
 
 
 def init_weights(model: nn.Module, seed: int):
-    """Fills in every parameter, one at a time; each rank keeps its shard.
-
-    Every rank draws each whole parameter from the same seed and keeps its own part, so
-    that the weights are the same on any number of processes. The default initialisation
-    of modules would not do: on CPUs, every shard of a parameter would get the same
-    values. The cost: each rank draws the whole model, one parameter at a time, which
-    for billions of parameters takes minutes. (Models that large usually start from
-    pretrained weights, which dcp.load shards.) Weights are drawn from N(0, 0.02),
-    biases are 0, and the norms' scales 1: adapt the rule to your model.
-    """
+    """Fills in every parameter, one at a time: every rank draws it whole from the same
+    seed and keeps its shard, so the weights are the same on any number of processes.
+    (Modules' own initialisation gives every shard the same values on CPUs.) For
+    billions of parameters that takes minutes; such models usually start from
+    pretrained weights, which dcp.load shards. Weights from N(0, 0.02), biases 0, norms'
+    scales 1: adapt the rule to your model."""
     if buffers := [name for name, _ in model.named_buffers()]:
         raise SystemExit(
             f"error: the model has buffers ({', '.join(buffers)}), which to_empty() "
@@ -656,13 +643,9 @@ def train(
 
 
 class TrainLog:
-    """What the log reports: the mean loss over the steps since the last line, the
-    samples and tokens per second, the MFU, and the share of that time spent waiting
-    for data.
-
-    The losses stay on the device until a line is logged: a .item() on every step would
-    make this process wait for the GPU each time, instead of queueing the next step.
-    """
+    """The mean loss since the last log line, the samples and tokens per second, the
+    MFU, and the share of the time spent waiting for data. The losses stay on the GPU
+    until a line is logged: a .item() at every step would make the CPU wait for it."""
 
     def __init__(self, device: torch.device, args):
         self.device = device
@@ -1364,16 +1347,11 @@ class Place(NamedTuple):
 
 def setup(rendezvous_timeout: float = 120) -> Place:
     """Joins the process group, whoever started this process: srun, torchrun, or none.
-
-    Sets RANK, LOCAL_RANK and WORLD_SIZE for libraries that read them, as torchrun does.
-    Under srun, joining waits at most `rendezvous_timeout` seconds.
-    """
+    Under srun, joining waits at most `rendezvous_timeout` seconds."""
     place, launcher = find_place()
-    os.environ.update(
-        RANK=str(place.rank),
-        LOCAL_RANK=str(place.local_rank),
-        WORLD_SIZE=str(place.world_size),
-    )
+    # For libraries that read them, as torchrun sets them.
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    os.environ.update(zip(names, map(str, place), strict=True))
     # gloo connects two processes only once they exchange data. Connected to all at the
     # start, a gloo group would hold a socket per other process: 511 at 512.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
@@ -1395,16 +1373,9 @@ def find_place() -> tuple[Place, str]:
     """This process's place, from the variables of the launcher that started it."""
     env = os.environ
     launch = "Start one process per task with `srun python main.py` (job.sh does)"
-    variables = {
-        "torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
-        # The batch script has SLURM_PROCID and SLURM_NTASKS too, but no step.
-        "srun": (
-            "SLURM_PROCID",
-            "SLURM_LOCALID",
-            "SLURM_NTASKS",
-            "SLURM_STEP_NUM_TASKS",
-        ),
-    }
+    # The batch script has SLURM_PROCID and SLURM_NTASKS too, but no step.
+    srun = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
+    variables = {"torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"), "srun": srun}
     for launcher, names in variables.items():
         if all(name in env for name in names):
             place = Place(*(int(env[name]) for name in names[:3]))
@@ -1488,11 +1459,9 @@ def use_gpus() -> bool:
 
 
 def get_device(local_rank: int) -> torch.device:
-    """This process's GPU, made its current device, or the CPU.
-
-    Slurm may show a task every GPU of its node or only its own (--gpu-bind, a MIG
-    slice): a process that sees one GPU takes it, else the one at its local rank.
-    """
+    """This process's GPU, made its current device, or the CPU. Slurm may show a task
+    every GPU of its node or only its own (--gpu-bind, a MIG slice): a process that sees
+    one GPU takes it, else the one at its local rank."""
     if not use_gpus():
         return torch.device("cpu")
     visible = torch.cuda.device_count()
@@ -1521,10 +1490,8 @@ def get_num_workers() -> int:
 
 def end_with_rank(rank_pid: int, worker_id: int):
     """A DataLoader worker's worker_init_fn: a thread ends the worker once process
-    `rank_pid`, the one it loads for, has ended, or has sent it SIGTERM.
-
-    A worker whose process was killed (by the out-of-memory killer, say) may otherwise
-    wait for ever, holding the job's output open.
+    `rank_pid`, which it loads for, has ended or sent it SIGTERM. A worker whose process
+    was killed (out of memory, say) could otherwise hold the job's output open for ever.
     """
 
     def watch():

@@ -84,7 +84,7 @@ def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
 
 def correct(output: Tensor, target: Tensor) -> Tensor:
     """The validation metric, summed over the batch: right predictions, one for each
-    element of the target (each sample's label; or each token of a sequence)."""
+    element of the target (a sample's label, or each token of a sequence)."""
     return output.argmax(-1).eq(target).sum()
 
 
@@ -119,11 +119,10 @@ def check_dataset(data_dir: Path | None):
     missing = [sub for sub in ("train", "val") if not (data_dir / sub).is_dir()]
     if missing:
         raise SystemExit(
-            f"error: {data_dir} has no {' or '.join(missing)} folder. The dataset must "
-            "be laid out as train/<class>/<image> and val/<class>/<image>; check "
-            "DATA_DIR in job.sh (and the variables it is made of, such as $SCRATCH), "
-            "or pass --data-dir.\nTo try the job without a dataset, add "
-            "--synthetic-data."
+            f"error: {data_dir} has no {' or '.join(missing)} folder: the dataset must "
+            "be train/<class>/<image> and val/<class>/<image>. Check DATA_DIR in "
+            "job.sh (and $SCRATCH, say), or pass --data-dir.\nTo try the job without "
+            "a dataset, add --synthetic-data."
         )
 
 
@@ -379,16 +378,11 @@ class Place(NamedTuple):
 
 def setup(rendezvous_timeout: float = 120) -> Place:
     """Joins the process group, whoever started this process: srun, torchrun, or none.
-
-    Sets RANK, LOCAL_RANK and WORLD_SIZE for libraries that read them, as torchrun does.
-    Under srun, joining waits at most `rendezvous_timeout` seconds.
-    """
+    Under srun, joining waits at most `rendezvous_timeout` seconds."""
     place, launcher = find_place()
-    os.environ.update(
-        RANK=str(place.rank),
-        LOCAL_RANK=str(place.local_rank),
-        WORLD_SIZE=str(place.world_size),
-    )
+    # For libraries that read them, as torchrun sets them.
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    os.environ.update(zip(names, map(str, place), strict=True))
     # gloo connects two processes only once they exchange data. Connected to all at the
     # start, a gloo group would hold a socket per other process: 511 at 512.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
@@ -410,16 +404,9 @@ def find_place() -> tuple[Place, str]:
     """This process's place, from the variables of the launcher that started it."""
     env = os.environ
     launch = "Start one process per task with `srun python main.py` (job.sh does)"
-    variables = {
-        "torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
-        # The batch script has SLURM_PROCID and SLURM_NTASKS too, but no step.
-        "srun": (
-            "SLURM_PROCID",
-            "SLURM_LOCALID",
-            "SLURM_NTASKS",
-            "SLURM_STEP_NUM_TASKS",
-        ),
-    }
+    # The batch script has SLURM_PROCID and SLURM_NTASKS too, but no step.
+    srun = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
+    variables = {"torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"), "srun": srun}
     for launcher, names in variables.items():
         if all(name in env for name in names):
             place = Place(*(int(env[name]) for name in names[:3]))
@@ -503,11 +490,9 @@ def use_gpus() -> bool:
 
 
 def get_device(local_rank: int) -> torch.device:
-    """This process's GPU, made its current device, or the CPU.
-
-    Slurm may show a task every GPU of its node or only its own (--gpu-bind, a MIG
-    slice): a process that sees one GPU takes it, else the one at its local rank.
-    """
+    """This process's GPU, made its current device, or the CPU. Slurm may show a task
+    every GPU of its node or only its own (--gpu-bind, a MIG slice): a process that sees
+    one GPU takes it, else the one at its local rank."""
     if not use_gpus():
         return torch.device("cpu")
     visible = torch.cuda.device_count()
@@ -536,10 +521,8 @@ def get_num_workers() -> int:
 
 def end_with_rank(rank_pid: int, worker_id: int):
     """A DataLoader worker's worker_init_fn: a thread ends the worker once process
-    `rank_pid`, the one it loads for, has ended, or has sent it SIGTERM.
-
-    A worker whose process was killed (by the out-of-memory killer, say) may otherwise
-    wait for ever, holding the job's output open.
+    `rank_pid`, which it loads for, has ended or sent it SIGTERM. A worker whose process
+    was killed (out of memory, say) could otherwise hold the job's output open for ever.
     """
 
     def watch():
