@@ -137,21 +137,22 @@ def test_every_main_is_a_table_of_contents():
 
 
 # The most lines a reader opens whole (`wc -l` of main.py), and the most lines a step's
-# diff changes (`diff -U0` of main.py against the step before, + and - lines). Where a
-# file is above the target, its budget is what it holds now: the closing note
-# of "Lighter files" names each one and why. A budget only comes down.
+# diff changes (`diff -U0` of main.py against the step before, + and - lines). The aims:
+# step 1 480, multi-node 530, step 4 850, template 950, FSDP2 1,250; diffs 1->2 120,
+# 2->3 30, 3->4 300, 4->5 250. Where the behaviour that the tests hold takes more, the
+# budget is what the file holds now. A budget only comes down.
 LINES = {
-    "generic/single_gpu": 520, "mila/single_gpu": 520, "generic/multi_node": 570,
-    "generic/checkpointing": 1010, "generic/template": 1200, "generic/fsdp": 1560,
+    "generic/single_gpu": 500, "mila/single_gpu": 502, "generic/multi_node": 547,
+    "generic/checkpointing": 976, "generic/template": 1158, "generic/fsdp": 1516,
 }  # fmt: skip
 DIFFS = {
     ("generic/single_gpu", "generic/multi_gpu"): 120,
     ("generic/multi_gpu", "generic/multi_node"): 30,
-    ("generic/multi_node", "generic/checkpointing"): 490,
-    ("generic/checkpointing", "generic/template"): 300,
+    ("generic/multi_node", "generic/checkpointing"): 473,
+    ("generic/checkpointing", "generic/template"): 274,
     ("mila/single_gpu", "mila/multi_gpu"): 120,
     ("mila/multi_gpu", "mila/multi_node"): 30,
-    ("mila/multi_node", "mila/checkpointing"): 490,
+    ("mila/multi_node", "mila/checkpointing"): 480,
 }
 
 

@@ -28,24 +28,16 @@ def add_arguments(parser: argparse.ArgumentParser):
     """The command-line arguments of your model and data. A checkpoint records their
     values, and a run resumes only with the same ones (MAY_CHANGE_ON_RESUME below
     names the exceptions)."""
-    parser.add_argument("--vocab-size", type=int, default=50304, help="token ids")
-    parser.add_argument("--seq-len", type=int, default=1024, help="tokens a sequence")
-    parser.add_argument("--dim", type=int, default=768, help="the model's width")
-    parser.add_argument("--heads", type=int, default=12, help="attention heads")
-    parser.add_argument("--layers", type=int, default=12, help="transformer blocks")
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=os.environ.get("DATA_DIR"),
-        help="a folder with train.bin and val.bin, uint16 token ids (default: "
-        "$DATA_DIR)",
-    )
-    parser.add_argument(
-        "--synthetic-data",
-        action="store_true",
-        help="train on synthetic sequences of the same shape instead of the files",
-    )
-    parser.add_argument("--synthetic-size", type=int, default=100_000)
+    add = parser.add_argument
+    add("--vocab-size", type=int, default=50304, help="token ids")
+    add("--seq-len", type=int, default=1024, help="tokens a sequence")
+    add("--dim", type=int, default=768, help="the model's width")
+    add("--heads", type=int, default=12, help="attention heads")
+    add("--layers", type=int, default=12, help="transformer blocks")
+    # A folder with train.bin and val.bin, of uint16 token ids.
+    add("--data-dir", type=Path, default=os.environ.get("DATA_DIR"))
+    add("--synthetic-data", action="store_true", help="random token ids")
+    add("--synthetic-size", type=int, default=100_000)
 
 
 def build_model(args, num_classes: int) -> nn.Module:

@@ -1,16 +1,14 @@
 """Step 5: the template to copy. Step 4, fast on GPUs, for long runs on many nodes.
 
 Over step 4:
-- bf16 autocast on GPUs of compute capability 8.0 and newer; channels_last for image
-  inputs and cuDNN's autotuner on GPUs; `--compile` for torch.compile;
+- bf16 autocast on GPUs of compute capability 8.0 and newer; on GPUs, channels_last
+  for images and cuDNN's autotuner; `--compile` for torch.compile;
 - pinned memory, so that copies to the GPU overlap its work;
-- gradient accumulation over --accumulation-steps micro-batches, fetched one at a time,
-  with DDP's no_sync() on all but the last;
-- a log line of samples/s and of the time spent waiting for data, which waits for the
-  GPU once per line, not once per step;
+- gradient accumulation over --accumulation-steps micro-batches, with DDP's no_sync()
+  on all but the last;
+- a log line of samples/s and of the time spent waiting for data;
 - `--benchmark N`: samples/s of the input pipeline alone and of the training step
   alone (the ceiling), instead of training.
-Checkpoints hold the accumulation's position: a run stops after a whole step.
 
 Try the job before the data is in place, as a run of its own name:
 `sbatch --job-name=trial job.sh --synthetic-data --max-steps 200`.
@@ -60,24 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser):
     """The command-line arguments of your model and data. A checkpoint records their
     values, and a run resumes only with the same ones (MAY_CHANGE_ON_RESUME below
     names the exceptions)."""
-    parser.add_argument("--model", default="resnet50", help="a torchvision model name")
-    parser.add_argument("--image-size", type=positive, default=224)
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=os.environ.get("DATA_DIR"),
-        help=(
-            "a folder with train/ and val/, one subfolder per class "
-            "(default: $DATA_DIR)"
-        ),
-    )
-    parser.add_argument(
-        "--synthetic-data",
-        action="store_true",
-        help="train on random images of the same shape instead of the dataset",
-    )
-    parser.add_argument("--synthetic-size", type=positive, default=100_000)
-    parser.add_argument("--synthetic-classes", type=positive, default=1000)
+    add = parser.add_argument
+    add("--model", default="resnet50", help="a torchvision model name")
+    add("--image-size", type=positive, default=224)
+    # A folder with train/ and val/, one subfolder per class.
+    add("--data-dir", type=Path, default=os.environ.get("DATA_DIR"))
+    add("--synthetic-data", action="store_true", help="random images of the same shape")
+    add("--synthetic-size", type=positive, default=100_000)
+    add("--synthetic-classes", type=positive, default=1000)
 
 
 def build_model(args, num_classes: int) -> nn.Module:
@@ -1164,9 +1152,7 @@ def end_with_rank(rank_pid: int, worker_id: int):
 
 if __name__ == "__main__":
     main()
-    # The DDP model sits in reference cycles that keep the process group
-    # alive. Collect them now, while Python can still run the group's
-    # threads down cleanly: left to the interpreter's exit, gloo's
-    # threads abort the process (exit code 134) after a successful run.
+    # DDP's reference cycles keep the process group alive: collect them while Python
+    # can still end its threads cleanly. Left to the exit, gloo aborts (exit code 134).
     gc.collect()
     dist.destroy_process_group()

@@ -553,9 +553,7 @@ def end_with_rank(rank_pid: int, worker_id: int):
 
 if __name__ == "__main__":
     main()
-    # The DDP model sits in reference cycles that keep the process group
-    # alive. Collect them now, while Python can still run the group's
-    # threads down cleanly: left to the interpreter's exit, gloo's
-    # threads abort the process (exit code 134) after a successful run.
+    # DDP's reference cycles keep the process group alive: collect them while Python
+    # can still end its threads cleanly. Left to the exit, gloo aborts (exit code 134).
     gc.collect()
     dist.destroy_process_group()
