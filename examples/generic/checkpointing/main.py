@@ -2,9 +2,9 @@
 
 Over step 3: rank 0 saves a checkpoint atomically every --checkpoint-every minutes,
 after every epoch, and when Slurm asks the job to stop (SIGUSR1 before the time limit,
-SIGTERM at preemption or `scancel`). All ranks stop or save after the same step. After
-SIGUSR1 the job requeues itself. A job started again under the same name resumes
-exactly from the newest checkpoint, part-way through an epoch if need be.
+SIGTERM at preemption or `scancel`); the newest two are kept. All ranks stop or save
+after the same step. After SIGUSR1 the job requeues itself. A job started again under
+the same name resumes exactly from the newest checkpoint, part-way through an epoch.
 
 Try the job before the data is in place:
 `sbatch --job-name=trial job.sh --synthetic-data --max-steps 50`.
@@ -87,7 +87,7 @@ def loss_fn(output: Tensor, target: Tensor) -> Tensor:
 def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
     """A batch of the loader, as (the model's input, the target), on the device."""
     inputs, target = batch
-    # non_blocking: from pinned memory, the copy overlaps the GPU's work.
+    # non_blocking: where the batch is in pinned memory, the copy overlaps GPU work.
     return inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
 
 
@@ -203,7 +203,7 @@ def parse_args(argv=None):
     add("--warmup-steps", type=positive, default=500, help="in optimizer steps")
     add("--weight-decay", type=float, default=0.05)
     add("--seed", type=int, default=0)
-    add("--max-steps", type=positive, help="stop as a signal does, after this many")
+    add("--max-steps", type=positive, help="steps in all; a later run goes on")
     add("--log-every", type=positive, default=50, help="steps between log lines")
     add("--model", default="resnet50", help="a torchvision model name")
     add("--image-size", type=positive, default=224)
@@ -221,7 +221,7 @@ def parse_args(argv=None):
     add("--checkpoint-every-steps", type=positive, help="and every this many steps")
     add("--keep-checkpoints", type=positive, default=2, help="the newest kept")
     add("--max-failed-saves", type=positive, default=3, help="in a row, then stop")
-    add("--max-restarts", type=int, default=20, help="requeues at most: loops end")
+    add("--max-restarts", type=int, default=20, help="the most requeues, against loops")
     return parser.parse_args(argv)
 
 
@@ -557,7 +557,8 @@ class SeededSamples(Dataset):
         # A tuple of whole numbers hashes to the same number in every process and run.
         seed = hash((self.seed, epoch, index))
         python_state = random.getstate()
-        # Training's own random numbers stay as they were (with num_workers 0).
+        # Training's own random numbers stay as they were: with num_workers 0, this runs
+        # in the training process.
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
             random.seed(seed)
@@ -679,8 +680,8 @@ class Checkpoint:
         self.check(state, path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        # What the optimizer keeps as it comes (on CPUs, all of it) would stay mapped
-        # to the file, which a later save deletes: copy it.
+        # What the optimizer keeps as it comes (its step counts; on CPUs, all of it)
+        # would stay mapped to the file, which a later save deletes: copy it.
         for values in optimizer.state.values():
             for key, value in values.items():
                 if isinstance(value, Tensor) and value.device.type == "cpu":
@@ -747,7 +748,7 @@ def save_atomically(state: dict, path: Path):
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
-            # On disk before the rename: a crash cannot leave an empty file.
+            # On disk before the rename: a crash of the node cannot leave an empty file.
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -812,8 +813,9 @@ def setup(rendezvous_timeout: float = 120) -> Place:
     # For libraries that read them, as torchrun sets them.
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     os.environ.update(zip(names, map(str, place), strict=True))
-    # gloo connects two processes only once they exchange data. Connected to all at the
-    # start, a gloo group would hold a socket per other process: 511 at 512.
+    # gloo (the main group on CPUs; side groups on GPUs) connects two processes only
+    # once they exchange data. Connected to all at the start, a group would hold a
+    # socket per other process: 511 at 512, of a usual limit of 1,024 open files.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
     if launcher == "torchrun":  # its rendezvous is done: env:// meets its store
@@ -950,8 +952,9 @@ def get_num_workers() -> int:
 
 def end_with_rank(rank_pid: int, worker_id: int):
     """A DataLoader worker's worker_init_fn: a thread ends the worker once process
-    `rank_pid`, which it loads for, has ended or sent it SIGTERM. A worker whose process
-    was killed (out of memory, say) could otherwise hold the job's output open for ever.
+    `rank_pid`, which it loads for, has ended or sent it SIGTERM. Workers that are not
+    its children, or that block SIGTERM, would outlive a process killed out of memory,
+    say, holding the job's output open, or ignore multiprocessing's end at an error.
     """
 
     def watch():

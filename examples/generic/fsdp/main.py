@@ -331,13 +331,13 @@ def parse_args(argv=None):
     # The sequences of an optimizer step, over all processes: each process takes its
     # share, in micro-batches of --micro-batch-size.
     add("--global-batch-size", type=positive, default=32)
-    add("--micro-batch-size", type=positive, help="default: the whole batch")
+    add("--micro-batch-size", type=positive, help="default: its whole share")
     add("--learning-rate", type=float, default=1e-3)
     add("--grad-clip", type=float, default=1.0, help="largest gradient norm; 0: off")
     add("--warmup-steps", type=positive, default=500, help="in optimizer steps")
     add("--weight-decay", type=float, default=0.05)
     add("--seed", type=int, default=0)
-    add("--max-steps", type=positive, help="stop as a signal does, after this many")
+    add("--max-steps", type=positive, help="steps in all; a later run goes on")
     add("--log-every", type=positive, default=50, help="steps between log lines")
     # The model's sizes. The defaults make about 34 million parameters.
     add("--vocab-size", type=positive, default=8192)
@@ -360,13 +360,13 @@ def parse_args(argv=None):
     add("--checkpoint-every-steps", type=positive, help="and every this many steps")
     add("--keep-checkpoints", type=positive, default=2, help="the newest kept")
     add("--max-failed-saves", type=positive, default=3, help="in a row, then stop")
-    add("--max-restarts", type=int, default=20, help="requeues at most: loops end")
+    add("--max-restarts", type=int, default=20, help="the most requeues, against loops")
     # Speed settings. By default each is on where it pays: on GPUs (bf16: of compute
     # capability 8.0 and newer). --no-X turns one off, to measure what it buys.
     for name in ("bf16", "pin-memory"):
         add(f"--{name}", action=argparse.BooleanOptionalAction)
     add("--peak-tflops", type=float, help="the GPU's dense bf16 TFLOP/s, for the MFU")
-    add("--benchmark", type=positive, metavar="N", help="time N batches, N steps")
+    add("--benchmark", type=positive, metavar="N", help="time N batches, N steps only")
     return parser.parse_args(argv)
 
 
@@ -644,8 +644,8 @@ def train(
 
 class TrainLog:
     """The mean loss since the last log line, the samples and tokens per second, the
-    MFU, and the share of the time spent waiting for data. The losses stay on the GPU
-    until a line is logged: a .item() at every step would make the CPU wait for it."""
+    MFU, and the share of the time spent waiting for data. The losses stay on the
+    device until a line is logged: a .item() at every step would make the CPU wait."""
 
     def __init__(self, device: torch.device, args):
         self.device = device
@@ -965,7 +965,8 @@ class SeededSamples(Dataset):
         # A tuple of whole numbers hashes to the same number in every process and run.
         seed = hash((self.seed, epoch, index))
         python_state = random.getstate()
-        # Training's own random numbers stay as they were (with num_workers 0).
+        # Training's own random numbers stay as they were: with num_workers 0, this runs
+        # in the training process.
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
             random.seed(seed)
@@ -1287,7 +1288,7 @@ def save_atomically(state: dict, path: Path):
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
-            # On disk before the rename: a crash cannot leave an empty file.
+            # On disk before the rename: a crash of the node cannot leave an empty file.
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -1352,8 +1353,9 @@ def setup(rendezvous_timeout: float = 120) -> Place:
     # For libraries that read them, as torchrun sets them.
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     os.environ.update(zip(names, map(str, place), strict=True))
-    # gloo connects two processes only once they exchange data. Connected to all at the
-    # start, a gloo group would hold a socket per other process: 511 at 512.
+    # gloo (the main group on CPUs; side groups on GPUs) connects two processes only
+    # once they exchange data. Connected to all at the start, a group would hold a
+    # socket per other process: 511 at 512, of a usual limit of 1,024 open files.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
     if launcher == "torchrun":  # its rendezvous is done: env:// meets its store
@@ -1490,8 +1492,9 @@ def get_num_workers() -> int:
 
 def end_with_rank(rank_pid: int, worker_id: int):
     """A DataLoader worker's worker_init_fn: a thread ends the worker once process
-    `rank_pid`, which it loads for, has ended or sent it SIGTERM. A worker whose process
-    was killed (out of memory, say) could otherwise hold the job's output open for ever.
+    `rank_pid`, which it loads for, has ended or sent it SIGTERM. Workers that are not
+    its children, or that block SIGTERM, would outlive a process killed out of memory,
+    say, holding the job's output open, or ignore multiprocessing's end at an error.
     """
 
     def watch():

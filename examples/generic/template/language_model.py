@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     add("--layers", type=int, default=12, help="transformer blocks")
     # A folder with train.bin and val.bin, of uint16 token ids.
     add("--data-dir", type=Path, default=os.environ.get("DATA_DIR"))
-    add("--synthetic-data", action="store_true", help="random token ids")
+    add("--synthetic-data", action="store_true", help="synthetic token sequences")
     add("--synthetic-size", type=int, default=100_000)
 
 

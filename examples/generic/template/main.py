@@ -105,7 +105,7 @@ def loss_fn(output: Tensor, target: Tensor) -> Tensor:
 def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
     """A batch of the loader, as (the model's input, the target), on the device."""
     inputs, target = batch
-    # non_blocking: from pinned memory, the copy overlaps the GPU's work.
+    # non_blocking: where the batch is in pinned memory, the copy overlaps GPU work.
     return inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
 
 
@@ -230,7 +230,7 @@ def parse_args(argv=None):
     add("--warmup-steps", type=positive, default=500, help="in optimizer steps")
     add("--weight-decay", type=float, default=0.05)
     add("--seed", type=int, default=0)
-    add("--max-steps", type=positive, help="stop as a signal does, after this many")
+    add("--max-steps", type=positive, help="steps in all; a later run goes on")
     add("--log-every", type=positive, default=50, help="steps between log lines")
     add_arguments(parser)  # the model's and the data's, from your section
     add("--num-workers", type=int, help="per process (default: its CPUs, less one)")
@@ -242,13 +242,13 @@ def parse_args(argv=None):
     add("--checkpoint-every-steps", type=positive, help="and every this many steps")
     add("--keep-checkpoints", type=positive, default=2, help="the newest kept")
     add("--max-failed-saves", type=positive, default=3, help="in a row, then stop")
-    add("--max-restarts", type=int, default=20, help="requeues at most: loops end")
+    add("--max-restarts", type=int, default=20, help="the most requeues, against loops")
     # Speed settings. By default each is on where it pays: on GPUs (bf16: of compute
     # capability 8.0 and newer). --no-X turns one off, to measure what it buys.
     for name in ("bf16", "channels-last", "cudnn-benchmark", "pin-memory"):
         add(f"--{name}", action=argparse.BooleanOptionalAction)
     add("--compile", action=argparse.BooleanOptionalAction)
-    add("--benchmark", type=positive, metavar="N", help="time N batches, N steps")
+    add("--benchmark", type=positive, metavar="N", help="time N batches, N steps only")
     return parser.parse_args(argv)
 
 
@@ -436,8 +436,8 @@ def order_buckets_as_before(model, inputs, target: Tensor, args):
 
 class TrainLog:
     """The mean loss since the last log line, the samples per second, and the share of
-    the time spent waiting for data. The losses stay on the GPU until a line is logged:
-    a .item() at every step would make the CPU wait for it."""
+    the time spent waiting for data. The losses stay on the device until a line is
+    logged: a .item() at every step would make the CPU wait for the GPU."""
 
     def __init__(self, device: torch.device, samples_per_step: int):
         self.device, self.samples_per_step = device, samples_per_step
@@ -737,7 +737,8 @@ class SeededSamples(Dataset):
         # A tuple of whole numbers hashes to the same number in every process and run.
         seed = hash((self.seed, epoch, index))
         python_state = random.getstate()
-        # Training's own random numbers stay as they were (with num_workers 0).
+        # Training's own random numbers stay as they were: with num_workers 0, this runs
+        # in the training process.
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
             random.seed(seed)
@@ -861,8 +862,8 @@ class Checkpoint:
         self.check(state, path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        # What the optimizer keeps as it comes (on CPUs, all of it) would stay mapped
-        # to the file, which a later save deletes: copy it.
+        # What the optimizer keeps as it comes (its step counts; on CPUs, all of it)
+        # would stay mapped to the file, which a later save deletes: copy it.
         for values in optimizer.state.values():
             for key, value in values.items():
                 if isinstance(value, Tensor) and value.device.type == "cpu":
@@ -929,7 +930,7 @@ def save_atomically(state: dict, path: Path):
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
-            # On disk before the rename: a crash cannot leave an empty file.
+            # On disk before the rename: a crash of the node cannot leave an empty file.
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -994,8 +995,9 @@ def setup(rendezvous_timeout: float = 120) -> Place:
     # For libraries that read them, as torchrun sets them.
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     os.environ.update(zip(names, map(str, place), strict=True))
-    # gloo connects two processes only once they exchange data. Connected to all at the
-    # start, a gloo group would hold a socket per other process: 511 at 512.
+    # gloo (the main group on CPUs; side groups on GPUs) connects two processes only
+    # once they exchange data. Connected to all at the start, a group would hold a
+    # socket per other process: 511 at 512, of a usual limit of 1,024 open files.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
     if launcher == "torchrun":  # its rendezvous is done: env:// meets its store
@@ -1132,8 +1134,9 @@ def get_num_workers() -> int:
 
 def end_with_rank(rank_pid: int, worker_id: int):
     """A DataLoader worker's worker_init_fn: a thread ends the worker once process
-    `rank_pid`, which it loads for, has ended or sent it SIGTERM. A worker whose process
-    was killed (out of memory, say) could otherwise hold the job's output open for ever.
+    `rank_pid`, which it loads for, has ended or sent it SIGTERM. Workers that are not
+    its children, or that block SIGTERM, would outlive a process killed out of memory,
+    say, holding the job's output open, or ignore multiprocessing's end at an error.
     """
 
     def watch():

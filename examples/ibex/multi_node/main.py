@@ -394,8 +394,9 @@ def setup(rendezvous_timeout: float = 120) -> Place:
     # For libraries that read them, as torchrun sets them.
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     os.environ.update(zip(names, map(str, place), strict=True))
-    # gloo connects two processes only once they exchange data. Connected to all at the
-    # start, a gloo group would hold a socket per other process: 511 at 512.
+    # gloo (the main group on CPUs; side groups on GPUs) connects two processes only
+    # once they exchange data. Connected to all at the start, a group would hold a
+    # socket per other process: 511 at 512, of a usual limit of 1,024 open files.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
     if launcher == "torchrun":  # its rendezvous is done: env:// meets its store
@@ -532,8 +533,9 @@ def get_num_workers() -> int:
 
 def end_with_rank(rank_pid: int, worker_id: int):
     """A DataLoader worker's worker_init_fn: a thread ends the worker once process
-    `rank_pid`, which it loads for, has ended or sent it SIGTERM. A worker whose process
-    was killed (out of memory, say) could otherwise hold the job's output open for ever.
+    `rank_pid`, which it loads for, has ended or sent it SIGTERM. Workers that are not
+    its children, or that block SIGTERM, would outlive a process killed out of memory,
+    say, holding the job's output open, or ignore multiprocessing's end at an error.
     """
 
     def watch():

@@ -208,7 +208,7 @@ def parse_args(argv=None):
     add("--warmup-steps", type=positive, default=100, help="in optimizer steps")
     add("--weight-decay", type=float, default=1e-4)
     add("--seed", type=int, default=0)
-    add("--max-steps", type=positive, help="stop as a signal does, after this many")
+    add("--max-steps", type=positive, help="steps in all; a later run goes on")
     add("--log-every", type=positive, default=50, help="steps between log lines")
     # Where job.sh staged cifar-10-python.tar.gz.
     add(
@@ -231,7 +231,7 @@ def parse_args(argv=None):
     add("--checkpoint-every-steps", type=positive, help="and every this many steps")
     add("--keep-checkpoints", type=positive, default=2, help="the newest kept")
     add("--max-failed-saves", type=positive, default=3, help="in a row, then stop")
-    add("--max-restarts", type=int, default=20, help="requeues at most: loops end")
+    add("--max-restarts", type=int, default=20, help="the most requeues, against loops")
     return parser.parse_args(argv)
 
 
@@ -567,7 +567,8 @@ class SeededSamples(Dataset):
         # A tuple of whole numbers hashes to the same number in every process and run.
         seed = hash((self.seed, epoch, index))
         python_state = random.getstate()
-        # Training's own random numbers stay as they were (with num_workers 0).
+        # Training's own random numbers stay as they were: with num_workers 0, this runs
+        # in the training process.
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
             random.seed(seed)
@@ -689,8 +690,8 @@ class Checkpoint:
         self.check(state, path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        # What the optimizer keeps as it comes (on CPUs, all of it) would stay mapped
-        # to the file, which a later save deletes: copy it.
+        # What the optimizer keeps as it comes (its step counts; on CPUs, all of it)
+        # would stay mapped to the file, which a later save deletes: copy it.
         for values in optimizer.state.values():
             for key, value in values.items():
                 if isinstance(value, Tensor) and value.device.type == "cpu":
@@ -757,7 +758,7 @@ def save_atomically(state: dict, path: Path):
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
-            # On disk before the rename: a crash cannot leave an empty file.
+            # On disk before the rename: a crash of the node cannot leave an empty file.
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -822,8 +823,9 @@ def setup(rendezvous_timeout: float = 120) -> Place:
     # For libraries that read them, as torchrun sets them.
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     os.environ.update(zip(names, map(str, place), strict=True))
-    # gloo connects two processes only once they exchange data. Connected to all at the
-    # start, a gloo group would hold a socket per other process: 511 at 512.
+    # gloo (the main group on CPUs; side groups on GPUs) connects two processes only
+    # once they exchange data. Connected to all at the start, a group would hold a
+    # socket per other process: 511 at 512, of a usual limit of 1,024 open files.
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     backend = "nccl" if use_gpus() else "gloo"
     if launcher == "torchrun":  # its rendezvous is done: env:// meets its store
@@ -960,8 +962,9 @@ def get_num_workers() -> int:
 
 def end_with_rank(rank_pid: int, worker_id: int):
     """A DataLoader worker's worker_init_fn: a thread ends the worker once process
-    `rank_pid`, which it loads for, has ended or sent it SIGTERM. A worker whose process
-    was killed (out of memory, say) could otherwise hold the job's output open for ever.
+    `rank_pid`, which it loads for, has ended or sent it SIGTERM. Workers that are not
+    its children, or that block SIGTERM, would outlive a process killed out of memory,
+    say, holding the job's output open, or ignore multiprocessing's end at an error.
     """
 
     def watch():
