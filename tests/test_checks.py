@@ -156,6 +156,17 @@ def test_job_sh_lines_are_kept_but_the_name_time_limit_and_dependency():
     assert not [o for o in kept if "partition" in o]  # job.sh's commented ones
 
 
+def test_the_site_file_loads_as_reframe_loads_it(tmp_path):
+    # ReFrame runs the site file by its path, from the folder it is started in, with
+    # none of pytest's paths: what the file imports (smoke.py) it must find itself.
+    result = subprocess.run(
+        [sys.executable, "-I", "-c",
+         f"import runpy; runpy.run_path({str(SITE_FILE)!r})['site_configuration']"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+
 def test_the_pages_reframe_is_the_pinned_one(tmp_path):
     """The page's install command, as a reader runs it, in a home of its own."""
     command = page_command("verify.md", "python3 -m venv")

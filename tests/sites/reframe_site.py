@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 SITES = Path(__file__).resolve().parent
-sys.path.insert(0, str(SITES.parent))
+sys.path.insert(0, str(SITES.parent / "helpers"))  # smoke.py
 
 from smoke import EXAMPLES  # noqa: E402
 
