@@ -25,12 +25,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     """Deselects the tests marked since_slurm(V) when the test cluster runs a Slurm
-    older than V: deselected, not skipped, as CI counts a skip as a failure."""
+    older than V, and those marked apptainer where its root has no Apptainer (all but
+    26.05): deselected, not skipped, as CI counts a skip as a failure."""
     lab = Lab(version=config.getoption("--slurm-version"))  # starts nothing
     keep, drop = [], []
     for item in items:
         mark = item.get_closest_marker("since_slurm")
-        (drop if mark and not lab.at_least(mark.args[0]) else keep).append(item)
+        too_old = mark is not None and not lab.at_least(mark.args[0])
+        no_apptainer = item.get_closest_marker("apptainer") and not lab.has_apptainer
+        (drop if too_old or no_apptainer else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
@@ -119,6 +122,29 @@ def jobs(lab, request, tmp_path_factory):
         return done[name]
 
     return job
+
+
+@pytest.fixture(scope="session")
+def exact_twin(lab, tmp_path_factory):
+    """generic/checkpointing with EXACT_RUN, never interrupted: the twin that both the
+    preempted job and the resubmitted one must end bitwise equal to. It starts with
+    the first test that asks for it; calling the fixture's value waits for its end.
+    The container example's job, whose main.py is step 4's, must too."""
+    from test_failures import EXACT_LAYOUT, EXACT_RUN, submit
+
+    workdir = tmp_path_factory.mktemp("plain")
+    job_id = submit(
+        lab, "generic/checkpointing", *EXACT_RUN, workdir=workdir,
+        options=EXACT_LAYOUT,
+    )  # fmt: skip
+    finished = {}
+
+    def wait():
+        if not finished:
+            finished["job"] = lab.wait(job_id, workdir, timeout=300)
+        return finished["job"], workdir
+
+    return wait
 
 
 def assert_torn_down(network_existed: bool):

@@ -23,7 +23,11 @@ from smoke import (
 )
 
 
-@pytest.mark.parametrize("name", [n for n, launch in EXAMPLES.items() if launch.trains])
+# The container example runs step 4's main.py, byte for byte: smoke-run once.
+@pytest.mark.parametrize(
+    "name",
+    [n for n, run in EXAMPLES.items() if run.trains and n != "generic/container"],
+)
 def test_smoke_run_trains_on_every_rank(name, smoke_run):
     run = smoke_run(name)
     assert check_run(run) == [], run.output
@@ -263,3 +267,32 @@ def test_a_killed_rank_leaves_no_dataloader_worker_behind(name):
         time.sleep(0.2)
     left = [pid for pid in workers if alive(pid)]
     assert not left, f"still running 15 s after rank 1 was killed: {left}"
+
+
+# What a task started by srun under pyxis has, with an image that sets PYTORCH_VERSION:
+# srun's variables, and pyxis's RANK and LOCAL_RANK, copied from them, and WORLD_SIZE
+# from enroot's PyTorch hook (docs/containers.md).
+SRUN_TASK = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
+             "SLURM_STEP_NUM_TASKS": "8"}  # fmt: skip
+PYXIS = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}
+
+
+@pytest.mark.parametrize(
+    ("env", "launcher"),
+    [
+        ({**SRUN_TASK, **PYXIS}, "srun"),
+        # torchrun started by srun: torchrun's own numbers, whatever srun's are.
+        ({**SRUN_TASK, **PYXIS, "TORCHELASTIC_RUN_ID": "1"}, "torchrun"),
+        (PYXIS, "torchrun"),  # set by hand, or by another launcher
+    ],
+)
+def test_srun_variables_win_unless_torchrun_started_the_process(
+    monkeypatch, env, launcher
+):
+    main = load_main("generic/multi_node")
+    for name in [*SRUN_TASK, *PYXIS, "TORCHELASTIC_RUN_ID"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    place, found = main.find_place()
+    assert (found, place) == (launcher, main.Place(5, 1, 8))

@@ -175,26 +175,6 @@ def assert_same_summaries(resumed, uninterrupted, restarts: int) -> list[dict]:
     return mine
 
 
-@pytest.fixture(scope="module")
-def exact_twin(lab, tmp_path_factory):
-    """generic/checkpointing with EXACT_RUN, never interrupted: the twin that both the
-    preempted job and the resubmitted one must end bitwise equal to. It starts with
-    the first test that asks for it; calling the fixture's value waits for its end."""
-    workdir = tmp_path_factory.mktemp("plain")
-    job_id = submit(
-        lab, "generic/checkpointing", *EXACT_RUN, workdir=workdir,
-        options=EXACT_LAYOUT,
-    )  # fmt: skip
-    finished = {}
-
-    def wait():
-        if not finished:
-            finished["job"] = lab.wait(job_id, workdir, timeout=300)
-        return finished["job"], workdir
-
-    return wait
-
-
 def test_a_preempted_job_resumes_exactly(lab, tmp_path, exact_twin):
     name = "generic/checkpointing"
     options = EXACT_LAYOUT

@@ -31,9 +31,9 @@ def test_shellcheck_passes(script):
 @pytest.mark.parametrize("script", JOB_SCRIPTS, ids=IDS)
 def test_arguments_reach_main_py(script):
     # The smoke and trial runs pass their switches through `sbatch job.sh ARGS`: the
-    # line that starts main.py ends with "$@" (then "&", or "&&" where job.sh goes on
-    # after a failure).
-    line = r'^\s*(\S.*\s)?main\.py\b.*"\$@"( &&?)?$'
+    # line that starts main.py ends with "$@" (then "&", "&&" where job.sh goes on
+    # after a failure, or "|| status=$?" where it reads the exit status).
+    line = r'^\s*(\S.*\s)?main\.py\b.*"\$@"( &&?| \|\|( status=\$\?)?)?$'
     assert re.search(line, script.read_text(), re.M)
 
 

@@ -103,7 +103,7 @@ SHARED_BY_DDP_CHECKPOINTING = ["Checkpoint", "checkpoints", "readable_checkpoint
 
 
 def test_the_checkpointing_programs_stop_and_save_the_same_way():
-    assert len(CHECKPOINTING) == 4, CHECKPOINTING
+    assert len(CHECKPOINTING) == 5, CHECKPOINTING  # with the container step: step 4's
     reference = definitions("generic/checkpointing")
     for name in CHECKPOINTING:
         mine = definitions(name)
@@ -140,19 +140,21 @@ def test_every_main_is_a_table_of_contents():
 # diff changes (`diff -U0` of main.py against the step before, + and - lines). The aims:
 # step 1 480, multi-node 530, step 4 850, template 950, FSDP2 1,250; diffs 1->2 120,
 # 2->3 30, 3->4 300, 4->5 250. Where the behaviour that the tests hold takes more, the
-# budget is what the file holds now. A budget only comes down.
+# budget is what the file holds now. A budget grows only with a behaviour that a new
+# test holds: +5 in every file for srun's variables under pyxis, +5 more in the
+# checkpointing files for the requeue asked of job.sh (tests/test_containers.py).
 LINES = {
-    "generic/single_gpu": 502, "mila/single_gpu": 504, "generic/multi_node": 549,
-    "generic/checkpointing": 979, "generic/template": 1161, "generic/fsdp": 1519,
+    "generic/single_gpu": 507, "mila/single_gpu": 509, "generic/multi_node": 554,
+    "generic/checkpointing": 989, "generic/template": 1171, "generic/fsdp": 1528,
 }  # fmt: skip
 DIFFS = {
     ("generic/single_gpu", "generic/multi_gpu"): 120,
     ("generic/multi_gpu", "generic/multi_node"): 30,
-    ("generic/multi_node", "generic/checkpointing"): 474,
+    ("generic/multi_node", "generic/checkpointing"): 479,
     ("generic/checkpointing", "generic/template"): 274,
     ("mila/single_gpu", "mila/multi_gpu"): 120,
     ("mila/multi_gpu", "mila/multi_node"): 30,
-    ("mila/multi_node", "mila/checkpointing"): 480,
+    ("mila/multi_node", "mila/checkpointing"): 485,
 }
 
 

@@ -104,6 +104,8 @@ SINCE = {"mila": pytest.mark.since_slurm("23.11")}
 
 
 def completion_marks(name: str) -> tuple:
+    if name == "generic/container":  # needs Apptainer: 26.05 (tests/test_containers.py)
+        return (pytest.mark.apptainer,)
     if name not in EVERY_VERSION_RUNS:
         return ()
     site = name.split("/")[0]

@@ -11,11 +11,12 @@ two nodes talk over TCP. Fake typed GPUs (character devices standing in for
 Three Slurm versions, chosen by `Lab(version=...)`:
 - 24.11 (the default), what most clusters run today: Debian 13's (trixie) packages, in
   a Debian 13 root made once with debootstrap and kept in /var/cache. Its daemons and
-  commands run inside that root (chroot), with the host folders that jobs use mounted at
-  the same paths: /proc, /sys, /dev, /tmp, /etc/hosts, the project and the Python.
-  `Lab.env()` puts wrappers first on PATH that run the commands (sbatch, srun, ...)
-  there.
-- 26.05, the newest: Debian forky's packages, in a forky root made the same way.
+  commands run inside that root, with the host folders that jobs use mounted at the
+  same paths: /proc, /sys, /dev, /tmp, /etc/hosts, the project and the Python. The
+  nodes enter it by pivot_root; `Lab.env()` puts wrappers first on PATH that run the
+  client commands (sbatch, srun, ...) there by chroot.
+- 26.05, the newest: Debian forky's packages, in a forky root made the same way, with
+  Apptainer 1.4 from Debian sid for the container example.
 - 22.05: Debian 12's packages, installed on this machine itself.
 
 A site profile (tests/sites/<name>/) supplies what a cluster gives its jobs: the
@@ -49,6 +50,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import container_image
 import tinyimagenet
 
 STATE = Path("/tmp/ddp-slurm-lab")
@@ -110,6 +112,11 @@ CLIENTS = [
 INSIDE_MARK = (
     ".ddp-slurm-lab-root"  # a file at the root's top: "this process runs inside"
 )
+OLD_ROOT = "/.host"  # where a node's pivot_root puts the host's root, then unmounts it
+# Packages from Debian sid for a root of another suite: Apptainer 1.4 is in sid only.
+FROM_SID = {"forky": ["apptainer"]}
+# The container example's image, in $SCRATCH (its job.sh's default).
+IMAGE = "images/pytorch-25.12.sif"
 
 # Folders that the sites' job scripts read, each shown to the
 # nodes by a bind mount inside their mount namespace: mount
@@ -168,6 +175,11 @@ class Lab:
         or None for the host's own."""
         suite = VERSIONS[self.version]
         return None if suite is None else ROOTS / f"debian-{suite}"
+
+    @property
+    def has_apptainer(self) -> bool:
+        """Whether jobs can run containers: Apptainer is in this version's root."""
+        return VERSIONS[self.version] in FROM_SID
 
     def at_least(self, version: str) -> bool:
         """Whether this cluster's Slurm is `version` ("23.11") or newer."""
@@ -351,6 +363,10 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         )
         # Ibex: TinyImageNet, small and synthetic, in the real on-disk layout.
         tinyimagenet.make(self.state / "tinyimagenet")
+        # Generic, the container example: its image, where its job.sh looks for it.
+        if self.has_apptainer:
+            assert self.root is not None
+            container_image.make(self.root, self.state / "scratch" / IMAGE)
 
     def _start_munge(self) -> None:
         m = self.state / "munge"
@@ -411,9 +427,15 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             mounts.append(
                 f"mount --bind {shlex.quote(str(self.state / source))} {target}"
             )
-        slurmd = (
-            "slurmd" if self.root is None else f"chroot {self.root} /usr/sbin/slurmd"
-        )
+        # A node enters its root by pivot_root, as a container runtime does: Apptainer
+        # refuses to start under chroot ("weak chrooted environment").
+        root = shlex.quote(top)
+        enter_root = [
+            f"mount --rbind {root} {root}",
+            f"cd {root}",
+            f"pivot_root . {OLD_ROOT.lstrip('/')}",
+            f"umount -l {OLD_ROOT}",
+        ]
         local_disk = shlex.quote(f"{top}{self.state / 'local-disk'}")
         for name in NODES:
             # In the node's own UTS and mount namespaces: its hostname, the sites'
@@ -429,7 +451,8 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                     *mounts,
                     f"mount --bind {own_disk} {local_disk}",
                     f"mount --bind {empty} {top}/etc/resolv.conf",
-                    f"exec {slurmd} -D -N {name} -f {self.conf}",
+                    *(enter_root if self.root is not None else []),
+                    f"exec slurmd -D -N {name} -f {self.conf}",
                 ]
             )
             cmd = [
@@ -806,17 +829,40 @@ def make_root(suite: str) -> Path:
         )
         shutil.rmtree(partial, ignore_errors=True)
         raise LabUnavailable(f"debootstrap of Debian {suite} failed:\n{detail}")
+    if extra := FROM_SID.get(suite):
+        _install_from_sid(partial, extra)
     # Mount points for the host's files, which a minimal base may lack.
     for name in ["hosts", "resolv.conf"]:
         (partial / "etc" / name).touch()
+    (partial / OLD_ROOT.lstrip("/")).mkdir()
     (partial / INSIDE_MARK).write_text(mark)
     shutil.rmtree(root, ignore_errors=True)
     partial.rename(root)
     return root
 
 
+def _install_from_sid(root: Path, packages: list[str]) -> None:
+    """Installs `packages` into `root` from Debian sid, with the root's own suite
+    for their dependencies."""
+    (root / "etc/apt/sources.list.d/sid.list").write_text(
+        "deb http://deb.debian.org/debian sid main\n"
+    )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    # A testing suite's Release file may be past its Valid-Until date.
+    apt = ["chroot", str(root), "apt-get", "-o", "Acquire::Check-Valid-Until=false"]
+    for args in (["update", "-qq"], ["install", "-y", "-qq", "--no-install-recommends",
+                                     "-t", "sid", *packages], ["clean"]):  # fmt: skip
+        result = subprocess.run([*apt, *args], capture_output=True, text=True, env=env)
+        if result.returncode != 0:
+            raise LabUnavailable(
+                f"installing {', '.join(packages)} from Debian sid into {root} failed:"
+                f"\n{result.stdout[-1500:]}{result.stderr[-1500:]}"
+            )
+
+
 def packages_digest() -> str:
-    return hashlib.sha256(" ".join(ROOT_PACKAGES).encode()).hexdigest()[:12]
+    packages = [*ROOT_PACKAGES, *(p for ps in FROM_SID.values() for p in ps)]
+    return hashlib.sha256(" ".join(packages).encode()).hexdigest()[:12]
 
 
 def _run(cmd: list[str], **kwargs) -> str:

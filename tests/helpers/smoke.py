@@ -158,6 +158,11 @@ EXAMPLES: dict[str, Launch] = {
         "srun", nodes=2, args=GENERIC_SMOKE_ARGS, val_samples=GENERIC_VAL_SAMPLES,
         dataset="imagefolder",
     ),
+    # Step 4's main.py, which its job.sh runs in a container.
+    "generic/container": Launch(
+        "srun", nodes=2, args=GENERIC_SMOKE_ARGS, val_samples=GENERIC_VAL_SAMPLES,
+        dataset="imagefolder",
+    ),
     "generic/template": Launch(
         "srun", nodes=2, args=TEMPLATE_SMOKE_ARGS, val_samples=GENERIC_VAL_SAMPLES,
         dataset="imagefolder",

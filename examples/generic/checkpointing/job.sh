@@ -90,10 +90,19 @@ newest_checkpoint() {
         sort | tail -n 1
 }
 before=$(newest_checkpoint)
-# main.py leaves this mark when it stops on an error that a person must act on.
-rm -f "$CHECKPOINT_DIR/stopped-on-error"
-srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@" &&
-    exit 0
+# main.py leaves these marks: when it stops on an error that a person must act on; when
+# it finds no scontrol to requeue the job with (in a container, say).
+rm -f "$CHECKPOINT_DIR/stopped-on-error" "$CHECKPOINT_DIR/requeue"
+status=0
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py "$@" ||
+    status=$?
+# After SIGUSR1, main.py asks for a requeue that it could not make itself.
+if [[ $status == 0 && -e $CHECKPOINT_DIR/requeue ]]; then
+    scontrol requeue "$SLURM_JOB_ID" && sleep 600
+    echo "error: scontrol requeue failed: resubmit job.sh to resume" >&2
+    exit 1
+fi
+((status == 0)) && exit 0
 
 # --- srun failed: a task crashed, or stopped on an error ------------------------------
 # A process killed for want of memory, a GPU error, an NCCL timeout: requeue the job to
@@ -101,7 +110,6 @@ srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py 
 # per job. 0: never (`sbatch --export=ALL,CRASH_RESTARTS=0 job.sh`). A failure before
 # the first save is most often a setting to fix, and would come again. (A lost node is
 # Slurm's own to handle: it ends the job, which --requeue lets it requeue.)
-status=$?
 max=${CRASH_RESTARTS:-3}
 # Counted in the checkpoint folder, where a requeued start finds them. (On a full disk
 # the count may fail: then only the need for a new checkpoint limits the requeues.)

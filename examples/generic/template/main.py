@@ -28,6 +28,7 @@ import multiprocessing.resource_tracker
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -956,6 +957,10 @@ def requeue(max_restarts: int, folder: Path):
             f"error: job {job_id} is not requeued: it has started {restarts + 1} "
             f"times, and --max-restarts is {max_restarts}. {resubmit}",
         )
+    if shutil.which("scontrol") is None:  # in a container, say: job.sh requeues
+        log.info(f"No scontrol here: asking job.sh to requeue job {job_id}")
+        (folder / "requeue").touch()
+        return
     log.info(f"Requeueing job {job_id}")
     # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
     result = subprocess.run(["scontrol", "requeue", job_id])
@@ -1020,7 +1025,12 @@ def find_place() -> tuple[Place, str]:
     # The batch script has SLURM_PROCID and SLURM_NTASKS too, but no step.
     srun = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
     variables = {"torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"), "srun": srun}
-    for launcher, names in variables.items():
+    # srun's first, unless torchrun started this process. pyxis sets RANK, LOCAL_RANK
+    # and WORLD_SIZE in srun's tasks too; rendezvous() serves from MASTER_ADDR's node,
+    # where rank 0 need not run.
+    torchrun = "TORCHELASTIC_RUN_ID" in env
+    for launcher in ["torchrun", "srun"] if torchrun else ["srun", "torchrun"]:
+        names = variables[launcher]
         if all(name in env for name in names):
             place = Place(*(int(env[name]) for name in names[:3]))
             if not 0 <= place.rank < place.world_size:

@@ -147,8 +147,9 @@ def train_process(local_rank: int, args, port: int):
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=world,
         LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        # Connect to the parent's store, as torchrun's processes connect to its own.
-        TORCHELASTIC_USE_AGENT_STORE="True",
+        # Connect to the parent's store, as torchrun's processes connect to its own,
+        # and say so as torchrun does: setup() then reads torchrun's variables.
+        TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="mp.spawn",
     )  # fmt: skip
     place = setup()
     device = get_device(place.local_rank)
@@ -433,7 +434,12 @@ def find_place() -> tuple[Place, str]:
     # The batch script has SLURM_PROCID and SLURM_NTASKS too, but no step.
     srun = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
     variables = {"torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"), "srun": srun}
-    for launcher, names in variables.items():
+    # srun's first, unless torchrun started this process. pyxis sets RANK, LOCAL_RANK
+    # and WORLD_SIZE in srun's tasks too; rendezvous() serves from MASTER_ADDR's node,
+    # where rank 0 need not run.
+    torchrun = "TORCHELASTIC_RUN_ID" in env
+    for launcher in ["torchrun", "srun"] if torchrun else ["srun", "torchrun"]:
+        names = variables[launcher]
         if all(name in env for name in names):
             place = Place(*(int(env[name]) for name in names[:3]))
             if not 0 <= place.rank < place.world_size:

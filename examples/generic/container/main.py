@@ -1,0 +1,989 @@
+"""Step 4: checkpoints, so that a run outlives preemption, time limits and crashes.
+
+Over step 3: rank 0 saves a checkpoint atomically every --checkpoint-every minutes,
+after every epoch, and when Slurm asks the job to stop (SIGUSR1 before the time limit,
+SIGTERM at preemption or `scancel`); the newest two are kept. All ranks stop or save
+after the same step. After SIGUSR1 the job requeues itself. A job started again under
+the same name resumes exactly from the newest checkpoint, part-way through an epoch.
+
+Try the job before the data is in place:
+`sbatch --job-name=trial job.sh --synthetic-data --max-steps 50`.
+"""
+
+import argparse
+import contextlib
+import functools
+import gc
+import itertools
+import json
+import logging
+import math
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import models, transforms
+from torchvision.datasets import ImageFolder
+
+log = logging.getLogger(__name__)
+
+
+# ---- Your model and data: replace these for your own task ----------------------------
+
+
+def build_model(args, num_classes: int) -> nn.Module:
+    """The network to train: any torchvision model, by name."""
+    return models.get_model(args.model, num_classes=num_classes)
+
+
+def make_datasets(args) -> tuple[Dataset, Dataset, int]:
+    """The training and validation sets, and the number of classes. Any map-style
+    Dataset works whose items to_device() takes apart."""
+    if args.synthetic_data:
+        size, classes = args.synthetic_size, args.synthetic_classes
+        train = SyntheticImages(size, classes, args.image_size, first_seed=0)
+        valid = SyntheticImages(max(size // 50, 1), classes, args.image_size, size)
+        return train, valid, classes
+    check_dataset(args.data_dir)
+    size, T = args.image_size, transforms
+    tensor = [T.ToTensor(), T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
+    augment = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()]
+    center = [T.Resize(size * 8 // 7), T.CenterCrop(size)]  # 256/224: the usual margin
+    train = ImageFolder(args.data_dir / "train", T.Compose(augment + tensor))
+    valid = ImageFolder(args.data_dir / "val", T.Compose(center + tensor))
+    if train.classes != valid.classes:
+        raise SystemExit(
+            f"error: {args.data_dir}/train and {args.data_dir}/val have different "
+            f"class folders ({len(train.classes)} and {len(valid.classes)}): labels "
+            "would not match."
+        )
+    return train, valid, len(train.classes)
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    """The loss to minimise: a mean over the batch's samples."""
+    return F.cross_entropy(output, target)
+
+
+def to_device(batch, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A batch of the loader, as (the model's input, the target), on the device."""
+    inputs, target = batch
+    # non_blocking: where the batch is in pinned memory, the copy overlaps GPU work.
+    return inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
+
+
+def correct(output: Tensor, target: Tensor) -> Tensor:
+    """The validation metric, summed over the batch: right predictions, one for each
+    element of the target (a sample's label, or each token of a sequence)."""
+    return output.argmax(-1).eq(target).sum()
+
+
+class SyntheticImages(Dataset):
+    """Random images of the real data's shape after its transforms: 3 x size x size.
+    Each class has its own tint, so the loss falls. Image `i` comes from its own seed:
+    the same in every epoch and every process."""
+
+    def __init__(self, length: int, classes: int, size: int, first_seed: int):
+        self.length, self.classes, self.size = length, classes, size
+        self.first_seed = first_seed
+        tints = torch.Generator().manual_seed(0)
+        self.tints = torch.randn(classes, 3, 1, 1, generator=tints)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index: int):
+        label = index % self.classes
+        generator = torch.Generator().manual_seed(self.first_seed + index)
+        noise = torch.randn(3, self.size, self.size, generator=generator)
+        return 0.5 * noise + self.tints[label], label
+
+
+def check_dataset(data_dir: Path | None):
+    """Stops with a clear message when the dataset is not where main.py looks for it."""
+    if data_dir is None:
+        raise SystemExit(
+            "error: no dataset given: set DATA_DIR in job.sh or pass --data-dir.\n"
+            "To try the job without a dataset, add --synthetic-data."
+        )
+    missing = [sub for sub in ("train", "val") if not (data_dir / sub).is_dir()]
+    if missing:
+        raise SystemExit(
+            f"error: {data_dir} has no {' or '.join(missing)} folder: the dataset must "
+            "be train/<class>/<image> and val/<class>/<image>. Check DATA_DIR in "
+            "job.sh (and $SCRATCH, say), or pass --data-dir.\nTo try the job without "
+            "a dataset, add --synthetic-data."
+        )
+
+
+# ---- Training ------------------------------------------------------------------------
+
+
+def main():
+    args = parse_args()
+    place = setup(args.rendezvous_timeout)
+    device = get_device(place.local_rank)
+    # Plain lines with a time stamp and the rank: a batch job's output is a file.
+    line = f"%(asctime)s [{place.rank}/{place.world_size}] %(message)s"
+    logging.basicConfig(level=logging.INFO, format=line, datefmt="%H:%M:%S")
+    log.info(f"Running on {socket.gethostname()}, device {device}")
+    # From here on, only rank 0 logs: every process holds the same numbers.
+    log.setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
+
+    train_set, valid_set, num_classes = make_datasets(args)
+    # DDP copies rank 0's initial weights to all: the seed matters on rank 0 only.
+    torch.manual_seed(args.seed)
+    model = build_model(args, num_classes).to(device)
+    # DDP averages the gradients over the processes in backward(), so that every copy
+    # of the model takes the same step. `model.module` is the model inside.
+    model = DistributedDataParallel(
+        model, device_ids=[device] if device.type == "cuda" else None
+    )
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    loaders = make_loaders(args, train_set, valid_set, place)
+    scheduler = make_scheduler(args, optimizer, len(loaders[0]))
+    global_batch = args.batch_size * place.world_size
+    log.info(f"Global batch: {args.batch_size} x {place.world_size} = {global_batch}")
+    progress, train_log = Progress(), TrainLog(device)
+    checkpoint = Checkpoint(args)
+    checkpoint.load(model.module, optimizer, scheduler, progress, train_log)
+    # From here on there is progress to lose: on SIGUSR1 or SIGTERM, stop and save.
+    with Agreement(args.checkpoint_every) as agreement:
+        stopped_by = train(
+            args, model, optimizer, scheduler, loaders, progress, train_log,
+            checkpoint, agreement,
+        )  # fmt: skip
+    if stopped_by:
+        saved = "checkpoint saved" if checkpoint.failures == 0 else "save failed"
+        log.warning(f"Stopped at step {progress.steps}, {saved}")
+        # SIGUSR1 warns of the time limit: requeue. After SIGTERM, Slurm is ending the
+        # job already, and requeues it if it preempted it.
+        if stopped_by == signal.SIGUSR1 and place.rank == 0:
+            requeue(args.max_restarts, args.checkpoint_dir)
+        return
+    # One plain line per process to grep from the job's output: the numbers agree.
+    summary = {
+        "rank": place.rank,
+        "world_size": place.world_size,
+        "host": socket.gethostname(),
+        "finished": progress.epoch == args.epochs,  # False after --max-steps
+        **asdict(progress),
+        "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+    }
+    print(f"summary: {json.dumps(summary)}", flush=True)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    add = parser.add_argument
+    add("--epochs", type=positive, default=90)
+    add("--batch-size", type=positive, default=128, help="per process")
+    add("--learning-rate", type=float, default=1e-3)
+    add("--warmup-steps", type=positive, default=500, help="in optimizer steps")
+    add("--weight-decay", type=float, default=0.05)
+    add("--seed", type=int, default=0)
+    add("--max-steps", type=positive, help="steps in all; a later run goes on")
+    add("--log-every", type=positive, default=50, help="steps between log lines")
+    add("--model", default="resnet50", help="a torchvision model name")
+    add("--image-size", type=positive, default=224)
+    # A folder with train/ and val/, one subfolder per class.
+    add("--data-dir", type=Path, default=os.environ.get("DATA_DIR"))
+    add("--synthetic-data", action="store_true", help="random images of the same shape")
+    add("--synthetic-size", type=positive, default=100_000)
+    add("--synthetic-classes", type=positive, default=1000)
+    add("--num-workers", type=int, help="per process (default: its CPUs, less one)")
+    add("--rendezvous-timeout", type=float, default=120, help="seconds for all to join")
+    # Storage that outlives the job: job.sh sets CHECKPOINT_DIR.
+    folder = os.environ.get("CHECKPOINT_DIR", "checkpoints")
+    add("--checkpoint-dir", type=Path, default=folder)
+    add("--checkpoint-every", type=float, default=30, help="minutes between saves")
+    add("--checkpoint-every-steps", type=positive, help="and every this many steps")
+    add("--keep-checkpoints", type=positive, default=2, help="the newest kept")
+    add("--max-failed-saves", type=positive, default=3, help="in a row, then stop")
+    add("--max-restarts", type=int, default=20, help="the most requeues, against loops")
+    return parser.parse_args(argv)
+
+
+def positive(text: str) -> int:
+    """A whole number above zero, or argparse stops with the reason."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+@dataclass
+class Progress:
+    """Where training stands, and the numbers the summary reports."""
+
+    epoch: int = 0  # the epoch under way; at the end, the number done
+    steps: int = 0  # optimizer steps taken in all
+    batches: int = 0  # batches of the epoch under way trained on
+    first_loss: float | None = None  # the mean loss of the first log line
+    last_loss: float | None = None  # and of the last
+    val_loss: float | None = None  # the last validation's results
+    val_accuracy: float | None = None
+    val_samples: int | None = None
+
+
+def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
+    """The DataLoaders: workers load and transform batches while the GPU computes."""
+    # Workers start from a fork server, a clean process, not by fork() of this one,
+    # whose process group runs threads. On Python up to 3.11.9, a fork while one of
+    # them holds the interpreter's lock leaves the worker deadlocked (gh-112275).
+    # The server imports torch once; its workers start at once.
+    multiprocessing.set_start_method("forkserver", force=True)
+    multiprocessing.set_forkserver_preload(["torch", "torchvision"])
+    start_fork_server()
+    workers = get_num_workers() if args.num_workers is None else args.num_workers
+    options = {
+        "batch_size": args.batch_size,
+        "num_workers": workers,
+        # Kept from one epoch to the next: new workers would copy the dataset again.
+        "persistent_workers": workers > 0,
+        # Workers end when this process ends, however it ends.
+        "worker_init_fn": functools.partial(end_with_rank, os.getpid()),
+    }
+    # Each process trains on its own 1/world_size of every epoch, shuffled by the
+    # sampler. It pads the shares with repeated samples to make them equal.
+    sampler = ResumableSampler(train_set, shuffle=True, seed=args.seed)
+    # The workers' seeds come from a generator of their own, not from torch's global
+    # random numbers, which training alone draws from (a checkpoint saves them).
+    train_loader = DataLoader(
+        SeededSamples(train_set, args.seed),
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed + place.rank),
+        **options,
+    )
+    # Validation counts each sample once: every world_size-th
+    # sample, from the rank on, with no padding.
+    shard = range(place.rank, len(valid_set), place.world_size)
+    # A generator of its own seeds the workers: torch's global random state is left to
+    # training alone.
+    valid_loader = DataLoader(
+        Subset(valid_set, shard), shuffle=False, generator=torch.Generator(), **options
+    )
+    if len(train_loader) == 0:
+        raise SystemExit(
+            f"error: {len(train_set)} training samples make no batch of "
+            f"{args.batch_size}. Lower --batch-size."
+        )
+    return train_loader, valid_loader
+
+
+def make_scheduler(args, optimizer, steps_per_epoch: int):
+    """A learning rate that rises linearly over --warmup-steps, then decays to zero
+    along a cosine, by the end of training."""
+    total = args.epochs * steps_per_epoch
+    warmup = args.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        done = (step - warmup) / max(total - warmup, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train(
+    args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint,
+    agreement,
+):  # fmt: skip
+    """Trains for --epochs, or --max-steps, and validates after every epoch, with a
+    checkpoint every --checkpoint-every minutes and at each epoch's end; returns 0, or
+    the signal that stopped it before, once the checkpoint is saved."""
+    train_loader, valid_loader = loaders
+    device = next(model.parameters()).device
+    max_steps = math.inf if args.max_steps is None else args.max_steps
+    resumed = progress.steps > 0  # and so its DDP's buckets in their first order
+    while progress.epoch < args.epochs and (
+        progress.steps < max_steps or progress.batches
+    ):
+        # Without set_epoch, the sampler would shuffle every epoch the same way.
+        train_loader.sampler.set_epoch(progress.epoch)
+        train_loader.sampler.skip = progress.batches * args.batch_size
+        model.train()
+        early = False  # whether --max-steps stopped the run part-way through the epoch
+        for batch in train_loader:
+            if progress.steps >= max_steps:
+                early = True
+                break
+            inputs, target = to_device(batch, device)
+            if resumed:
+                order_buckets_as_before(model, inputs, target)
+                resumed = False
+            loss = loss_fn(model(inputs), target)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            progress.steps += 1
+            progress.batches += 1
+            train_log.add(loss)
+            if progress.steps % args.log_every == 0:
+                log_line(progress, train_log, scheduler)
+            # A save every --checkpoint-every minutes: a crash, which sends no signal,
+            # loses the steps since the last one only.
+            stop, save = agreement.poll()
+            if stop or save or checkpoint.due(progress.steps):
+                checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
+                agreement.saved()
+            if stop:
+                return stop
+        if train_log.steps and not early:  # the steps since the last line
+            log_line(progress, train_log, scheduler)
+        log.info(f"Epoch {progress.epoch}: validation")
+        results = validate(model.module, valid_loader, device, agreement)
+        if results is None:  # a stop during validation: the next run validates
+            checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
+            return agreement.stop
+        for name, value in results.items():
+            setattr(progress, name, value)
+        log.info(
+            f"Epoch {progress.epoch}: val loss {progress.val_loss:.3f}, val accuracy "
+            f"{progress.val_accuracy:.2%} on {progress.val_samples} samples"
+        )
+        if early:
+            # The epoch is not done: a later run with a higher --max-steps, or none,
+            # goes on from this checkpoint, part-way through it, as after a signal.
+            checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
+            break
+        progress.epoch += 1
+        progress.batches = 0
+        checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
+        agreement.saved()
+    if progress.epoch < args.epochs:
+        log.warning(
+            f"Stopped by --max-steps {args.max_steps} after step {progress.steps}, "
+            f"with {progress.epoch} of {args.epochs} epochs done: training is not "
+            "finished. To go on, run again under the same job name without --max-steps."
+        )
+    return 0
+
+
+def order_buckets_as_before(model, inputs, target: Tensor):
+    """Makes a resumed run's DDP sum the gradients in the order an uninterrupted run's
+    does. DDP's first step sums its buckets in the parameters' order, later steps in the
+    order of the first backward pass; with 3 processes or more, the two round apart.
+    This backward pass records the second order. What it changes besides (BatchNorm's
+    statistics, dropout's random numbers, the gradients) is put back."""
+    buffers = [buffer.clone() for buffer in model.module.buffers()]
+    device = target.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        loss_fn(model(inputs), target).backward()
+    for buffer, saved in zip(model.module.buffers(), buffers, strict=True):
+        buffer.copy_(saved)
+    model.zero_grad(set_to_none=True)
+
+
+class TrainLog:
+    """The mean loss over the steps since the last log line. The losses stay on the
+    device until a line is logged: a .item() at every step would make the CPU wait for
+    the GPU each time."""
+
+    def __init__(self, device: torch.device):
+        self.total = torch.zeros((), device=device)
+        self.steps = 0
+
+    def add(self, loss: Tensor):
+        self.total += loss.detach()
+        self.steps += 1
+
+    def report(self) -> dict:
+        """The numbers since the last report, over all processes; starts anew."""
+        mean = self.total / self.steps
+        dist.all_reduce(mean)  # a sum over the processes: every one gets it
+        mean = mean.item() / dist.get_world_size()
+        self.total.zero_()
+        self.steps = 0
+        return {"loss": mean}
+
+
+def log_line(progress: Progress, train_log: TrainLog, scheduler):
+    loss = train_log.report()["loss"]
+    progress.first_loss = loss if progress.first_loss is None else progress.first_loss
+    progress.last_loss = loss
+    log.info(
+        f"epoch {progress.epoch} step {progress.steps} | loss {loss:.4f} | "
+        f"lr {scheduler.get_last_lr()[0]:.2e}"
+    )
+
+
+@torch.no_grad()
+def validate(model: nn.Module, loader: DataLoader, device: torch.device, agreement):
+    """The mean loss and accuracy over every validation sample, and their count; or
+    None if a rank was told to stop: all check after each batch that all shards have."""
+    shard = len(loader.dataset.dataset) // dist.get_world_size()  # the smallest one
+    stop_checks = shard // loader.batch_size
+    # BatchNorm's running statistics are the one state that DDP leaves different:
+    # each process updated them with its own batches. Take rank 0's.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    model.eval()
+    # Sums, not means, so that a smaller last batch weighs exactly its size: loss,
+    # right predictions and samples, in float64 to keep the counts exact.
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for i, batch in enumerate(loader):
+        inputs, target = to_device(batch, device)
+        output = model(inputs)
+        n = target.numel()  # samples; tokens, where each token has a target
+        sums[0] += loss_fn(output, target).double() * n
+        sums[1] += correct(output, target)
+        sums[2] += n
+        if i < stop_checks and agreement.poll()[0]:
+            return None
+    # Each process saw its own shard: add the sums up, and every process has them.
+    dist.all_reduce(sums)
+    loss, right, n = sums.tolist()
+    return {"val_loss": loss / n, "val_accuracy": right / n, "val_samples": int(n)}
+
+
+# The signal that asked this process to stop, or 0. The handler only notes it: the
+# training loop acts on it between steps, where every rank can stop at the same point.
+stop_signal = 0
+
+
+def note_stop_signal(signum, frame):
+    global stop_signal
+    # SIGTERM wins over SIGUSR1: the job is ending anyway, and a requeue would fail.
+    stop_signal = max(stop_signal, signum)
+
+
+def catch_stop_signals():
+    """From here on there is progress to lose: on SIGUSR1 or SIGTERM, stop and save."""
+    signal.signal(signal.SIGUSR1, note_stop_signal)
+    signal.signal(signal.SIGTERM, note_stop_signal)
+
+
+class Agreement:
+    """What all ranks decide together between two steps: to stop, on a signal that any
+    rank got, or to save, once any rank's clock says that a checkpoint is due.
+
+    The flags are CPU tensors, combined over a gloo group of their own, sent at one step
+    and read at the next, at the same step on every rank: the GPU never waits for them.
+    """
+
+    def __init__(self, save_every_minutes: float):
+        catch_stop_signals()
+        self.group = dist.new_group(backend="gloo")
+        self.save_every = save_every_minutes * 60
+        self.sent, self.flags = None, None
+        self.stop = 0  # the signal the last decision stopped for, or 0
+        self.last_save, self.stale = time.monotonic(), False
+
+    def poll(self) -> tuple[int, bool]:
+        """The decision sent at the previous call: the stop signal, or 0, and whether
+        to save. Sends this rank's flags for the next."""
+        stop, save = 0, False
+        if self.sent is not None:
+            self.sent.wait()
+            stop, save = int(self.flags[0]), bool(self.flags[1]) and not self.stale
+        self.stale = False
+        due = time.monotonic() - self.last_save >= self.save_every
+        self.flags = torch.tensor([stop_signal, due])
+        self.sent = dist.all_reduce(
+            self.flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True
+        )
+        self.stop = stop
+        return stop, save
+
+    def saved(self):
+        """Restarts the clock: all ranks call it after the same save. The flags under
+        way were sent before it: their "save" is out of date."""
+        self.last_save, self.stale = time.monotonic(), self.sent is not None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        """Waits for the last flags sent: no collective is left under way."""
+        if self.sent is not None and exc[0] is None:
+            self.sent.wait()
+
+
+def start_fork_server():
+    """Starts the fork server of the DataLoader workers with the stop signals blocked:
+    Slurm signals every process of a step, and a worker killed by one would fail this
+    process before it could save."""
+    stop_signals = {signal.SIGTERM, signal.SIGUSR1}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    try:
+        # The fork server needs multiprocessing's resource tracker, whose start unblocks
+        # SIGTERM again: start the tracker first, then block once more.
+        multiprocessing.resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+
+
+class SeededSamples(Dataset):
+    """The training set, each sample's random draws (torch's and Python's, as
+    torchvision's transforms make) seeded by the run's seed, the epoch and the index
+    alone: a resumed run's new workers make the very same batches. (Seed numpy's global
+    generator here too if your transforms draw from it.)"""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key  # from ResumableSampler
+        # A tuple of whole numbers hashes to the same number in every process and run.
+        seed = hash((self.seed, epoch, index))
+        python_state = random.getstate()
+        # Training's own random numbers stay as they were: with num_workers 0, this runs
+        # in the training process.
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            random.seed(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(python_state)
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way: it skips the samples
+    that the interrupted run already trained on, in the epoch's same order."""
+
+    skip = 0
+
+    def __iter__(self):
+        # Each index with its epoch, for SeededSamples.
+        indices = itertools.islice(super().__iter__(), self.skip, None)
+        return ((self.epoch, index) for index in indices)
+
+    def __len__(self):
+        return max(self.num_samples - self.skip, 0)
+
+
+# The arguments that a resumed run may change: where things are, how often it logs and
+# saves, how long it trains. Every other one shapes training, your own arguments
+# included: a checkpoint written with another value of one belongs to another run.
+MAY_CHANGE_ON_RESUME = {
+    "epochs", "max_steps", "log_every", "data_dir", "num_workers", "rendezvous_timeout",
+    "checkpoint_dir", "checkpoint_every", "checkpoint_every_steps", "keep_checkpoints",
+    "max_failed_saves", "max_restarts",
+}  # fmt: skip
+
+
+class Checkpoint:
+    """The run's checkpoints: files named by their step, each with all it takes to
+    continue exactly. The newest --keep-checkpoints are kept."""
+
+    def __init__(self, args):
+        self.root = args.checkpoint_dir
+        self.keep = args.keep_checkpoints
+        self.every_steps = args.checkpoint_every_steps
+        self.settings = {
+            name: value
+            for name, value in sorted(vars(args).items())
+            if name not in MAY_CHANGE_ON_RESUME
+        }
+        self.max_failures, self.failures = args.max_failed_saves, 0
+
+    def due(self, steps: int) -> bool:
+        """Whether --checkpoint-every-steps asks for a save after `steps` steps."""
+        return self.every_steps is not None and steps % self.every_steps == 0
+
+    def save(self, model, optimizer, scheduler, progress, train_log):
+        """Writes a checkpoint, with each rank's random state and unlogged losses. If
+        the write fails, training goes on from the same state: see failed()."""
+        mine = {"cpu_rng": torch.get_rng_state(), "losses": train_log.total.cpu()}
+        mine["losses_steps"] = train_log.steps
+        if use_gpus():
+            mine["cuda_rng"] = torch.cuda.get_rng_state()
+        ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, ranks, dst=0)
+        error = None
+        if dist.get_rank() == 0:
+            begin = time.perf_counter()
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "progress": asdict(progress),
+                "settings": self.settings,
+                "ranks": ranks,
+            }
+            path = self.root / f"step-{progress.steps:08d}.pt"
+            try:
+                save_atomically(state, path)
+            except Exception as failure:  # a full disk or quota, storage away a while
+                error = f"{path}: {failure}"
+                log.warning(f"Could not save {error}")
+            else:
+                # Only now, with the new one on disk, the oldest go. One that cannot be
+                # deleted (in use over NFS, say) stays, and the next save tries again.
+                for older in checkpoints(self.root)[: -self.keep]:
+                    try:
+                        older.unlink()
+                    except OSError as failure:
+                        log.warning(f"Could not delete {older}: {failure}")
+                log.info(f"Saved {path} in {time.perf_counter() - begin:.1f} s")
+        # No rank goes on, or exits, before the file is complete, or has failed.
+        outcome = [error]
+        dist.broadcast_object_list(outcome, src=0)
+        self.failed(outcome[0])
+
+    def failed(self, error: str | None):
+        """Counts the saves that failed in a row. Training goes on after one: the
+        checkpoints before it are still there, and the next save tries again. After
+        --max-failed-saves of them, stops the job, for a person to look."""
+        self.failures = 0 if error is None else self.failures + 1
+        if self.failures >= self.max_failures:
+            stop_for_good(
+                self.root,
+                f"error: {self.failures} checkpoints in a row could not be saved, "
+                f"the last one to {error}. Free space in {self.root} or fix what the "
+                "error names, then resubmit: the run resumes from its last checkpoint.",
+            )
+
+    def load(self, model, optimizer, scheduler, progress, train_log):
+        """Restores the newest checkpoint, if any, with this rank's own state."""
+        # Rank 0 chooses, for all: on a network file system, nodes can list a folder
+        # differently for a while.
+        chosen = [readable_checkpoint(self.root) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)
+        if (path := chosen[0]) is None:
+            return
+        begin = time.perf_counter()
+        # weights_only: tensors and containers, no code run. mmap: tensors are read
+        # from the file as they are copied in, with no copy per process first.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        self.check(state, path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        # What the optimizer keeps as it comes (its step counts; on CPUs, all of it)
+        # would stay mapped to the file, which a later save deletes: copy it.
+        for values in optimizer.state.values():
+            for key, value in values.items():
+                if isinstance(value, Tensor) and value.device.type == "cpu":
+                    values[key] = value.clone()
+        scheduler.load_state_dict(state["scheduler"])
+        vars(progress).update(state["progress"])
+        mine = state["ranks"][dist.get_rank()]
+        torch.set_rng_state(mine["cpu_rng"])
+        if use_gpus() and "cuda_rng" in mine:
+            torch.cuda.set_rng_state(mine["cuda_rng"])
+        train_log.total.copy_(mine["losses"])
+        train_log.steps = mine["losses_steps"]
+        seconds = time.perf_counter() - begin
+        log.info(f"Resumed from {path} at step {progress.steps}, in {seconds:.1f} s")
+
+    def check(self, state: dict, path: Path):
+        """Stops with the cause when the checkpoint belongs to another run."""
+        written_by, world_size = len(state["ranks"]), dist.get_world_size()
+        if written_by != world_size:
+            raise SystemExit(
+                f"error: {path} was written by {written_by} processes, and this "
+                f"job has {world_size}. Resume with the same number of tasks, or give "
+                "a new --checkpoint-dir to start over."
+            )
+        if state["settings"] != self.settings:
+            changes = ", ".join(
+                f"--{name.replace('_', '-')} {state['settings'].get(name)} -> {value}"
+                for name, value in self.settings.items()
+                if state["settings"].get(name) != value
+            )
+            raise SystemExit(
+                f"error: {path} belongs to a run with other settings ({changes}). "
+                "Resume with the same settings, or start a new run: another "
+                f"--job-name, or delete {self.root}."
+            )
+
+
+# A complete checkpoint's name. One being written ends in ".tmp".
+CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints in `root`, oldest first."""
+    found = [p for p in root.glob("step-*.pt") if CHECKPOINT_NAME.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(CHECKPOINT_NAME.fullmatch(p.name)[1]))
+
+
+def readable_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint in `root` that loads, or None. One that does not (damaged
+    on disk, say) is passed over with a warning, for the one before it."""
+    for path in reversed(checkpoints(root)):
+        try:  # with mmap, a check of the file's index, not a read of all of it
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return path
+        except Exception as error:  # a damaged file can raise one of several errors
+            log.warning(f"Passing over {path}, which does not load: {error}")
+    return None
+
+
+def save_atomically(state: dict, path: Path):
+    """Writes `state` to `path` so that a reader finds the old file or the new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            # On disk before the rename: a crash of the node cannot leave an empty file.
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write: no part of a file left behind
+        raise
+    # A rename within one folder replaces the old file in one step.
+    os.replace(tmp, path)
+    # The rename is a change to the folder: on disk too, or a crash can undo it.
+    folder = os.open(path.parent, os.O_RDONLY)
+    os.fsync(folder)
+    os.close(folder)
+
+
+def requeue(max_restarts: int, folder: Path):
+    """Puts this job back in the queue: Slurm ends it now and starts it again later.
+    Not after `max_restarts`: a job that cannot finish would loop for good."""
+    job_id = os.environ["SLURM_JOB_ID"]
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
+    if restarts >= max_restarts:
+        stop_for_good(
+            folder,
+            f"error: job {job_id} is not requeued: it has started {restarts + 1} "
+            f"times, and --max-restarts is {max_restarts}. {resubmit}",
+        )
+    if shutil.which("scontrol") is None:  # in a container, say: job.sh requeues
+        log.info(f"No scontrol here: asking job.sh to requeue job {job_id}")
+        (folder / "requeue").touch()
+        return
+    log.info(f"Requeueing job {job_id}")
+    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
+    result = subprocess.run(["scontrol", "requeue", job_id])
+    # The requeue ends every process of the job, scontrol included: SIGTERM is success.
+    if result.returncode not in (0, -signal.SIGTERM):
+        stop_for_good(
+            folder,
+            f"error: `scontrol requeue {job_id}` failed, so the job will not start "
+            f"again by itself. {resubmit}",
+        )
+
+
+def stop_for_good(folder: Path, message: str):
+    """Ends this process with `message`, an error that a person must act on. Its mark
+    in the checkpoint folder tells job.sh not to requeue the job."""
+    # On a full disk, say, the mark may fail: job.sh's limit on requeues still holds.
+    with contextlib.suppress(OSError):
+        (folder / "stopped-on-error").touch()
+    raise SystemExit(message)
+
+
+# ---- Plumbing: the same in every example (tests/test_layout.py checks it) ------------
+
+
+class Place(NamedTuple):
+    """Where this process stands in the job."""
+
+    rank: int  # its number among all processes, from 0
+    local_rank: int  # its number among the processes of its node: picks its GPU
+    world_size: int  # the number of processes
+
+
+def setup(rendezvous_timeout: float = 120) -> Place:
+    """Joins the process group, whoever started this process: srun, torchrun, or none.
+    Under srun, joining waits at most `rendezvous_timeout` seconds."""
+    place, launcher = find_place()
+    # For libraries that read them, as torchrun sets them.
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    os.environ.update(zip(names, map(str, place), strict=True))
+    # gloo (the main group on CPUs; side groups on GPUs) connects two processes only
+    # once they exchange data. Connected to all at the start, a group would hold a
+    # socket per other process: 511 at 512, of a usual limit of 1,024 open files.
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+    backend = "nccl" if use_gpus() else "gloo"
+    if launcher == "torchrun":  # its rendezvous is done: env:// meets its store
+        dist.init_process_group(backend)
+        return place
+    if launcher == "single process":
+        store = dist.HashStore()  # no other process to meet
+    else:
+        store = rendezvous(place, rendezvous_timeout)
+    dist.init_process_group(
+        backend, store=store, rank=place.rank, world_size=place.world_size
+    )
+    return place
+
+
+def find_place() -> tuple[Place, str]:
+    """This process's place, from the variables of the launcher that started it."""
+    env = os.environ
+    launch = "Start one process per task with `srun python main.py` (job.sh does)"
+    # The batch script has SLURM_PROCID and SLURM_NTASKS too, but no step.
+    srun = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
+    variables = {"torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"), "srun": srun}
+    # srun's first, unless torchrun started this process. pyxis sets RANK, LOCAL_RANK
+    # and WORLD_SIZE in srun's tasks too; rendezvous() serves from MASTER_ADDR's node,
+    # where rank 0 need not run.
+    torchrun = "TORCHELASTIC_RUN_ID" in env
+    for launcher in ["torchrun", "srun"] if torchrun else ["srun", "torchrun"]:
+        names = variables[launcher]
+        if all(name in env for name in names):
+            place = Place(*(int(env[name]) for name in names[:3]))
+            if not 0 <= place.rank < place.world_size:
+                raise SystemExit(
+                    f"error: rank {place.rank} does not fit a world of "
+                    f"{place.world_size}: {launcher}'s variables were set or changed "
+                    f"by hand. {launch}."
+                )
+            return place, launcher
+    if int(env.get("SLURM_NTASKS", "1")) > 1:
+        raise SystemExit(
+            "error: main.py was started by the batch script, not by srun. The job has "
+            f"{env['SLURM_NTASKS']} task(s); without srun only this process runs, and "
+            f"it would wait forever for the others. {launch}."
+        )
+    if found := [name for name in ("RANK", "OMPI_COMM_WORLD_RANK") if name in env]:
+        raise SystemExit(
+            f"error: cannot tell this process's rank (found {', '.join(found)}). "
+            "main.py reads RANK, LOCAL_RANK, WORLD_SIZE (torchrun) or SLURM_PROCID, "
+            "SLURM_LOCALID, SLURM_NTASKS (srun), or none of them (a single process)."
+        )
+    return Place(0, 0, 1), "single process"
+
+
+def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
+    """The store where srun's tasks meet, at MASTER_ADDR:MASTER_PORT (job.sh exports
+    them: the job's first node). The first task on that node serves it."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise SystemExit(
+                f"error: {name} is not set. job.sh exports MASTER_ADDR and MASTER_PORT "
+                "before srun; export them too when you launch by hand."
+            )
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    host = socket.gethostname()
+    # Not always rank 0: Slurm 26.05 numbers tasks by topology.conf, where there is one.
+    serves = os.environ["SLURM_NODEID"] == "0" and place.local_rank == 0
+    try:
+        return dist.TCPStore(
+            address, port, place.world_size, is_master=serves,
+            timeout=timedelta(seconds=timeout),
+        )  # fmt: skip
+    except dist.DistError as error:
+        if "EADDRINUSE" in str(error):
+            raise SystemExit(
+                f"error: rank {place.rank} cannot listen on port {port} of {host}: "
+                "another process holds it. job.sh derives MASTER_PORT from the job "
+                "ID; a port fixed by hand collides with other jobs on the node. Pick "
+                "another, from 10000-19999."
+            ) from None
+        raise SystemExit(
+            f"error: rank {place.rank} on {host} waited {timeout:.0f} s for the "
+            f"rendezvous at {address}:{port}, and not all {place.world_size} processes "
+            "joined. The first task on the job's first node serves the rendezvous: "
+            "check that MASTER_ADDR names that node, that the node is up and that its "
+            "tasks started.\n"
+            f"({type(error).__name__}: {str(error).splitlines()[0]})"
+        ) from None
+
+
+def use_gpus() -> bool:
+    """True to train on GPUs with NCCL, False on CPUs with gloo (TRAIN_ON_CPU=1 asks
+    for that). A task given GPUs that CUDA cannot use stops at once."""
+    if os.environ.get("TRAIN_ON_CPU") == "1":
+        return False
+    if torch.cuda.is_available():
+        return True
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus not in ("", "0") or visible not in ("", "-1", "NoDevFiles"):
+        raise SystemExit(
+            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, "
+            f"CUDA_VISIBLE_DEVICES={visible}), but torch {torch.__version__} cannot "
+            "use them. Likely causes: a torch build without CUDA; an NVIDIA driver "
+            "older than the build needs (compare `nvidia-smi` with CUDA "
+            f"{torch.version.cuda}); a container started without its GPUs (apptainer "
+            "--nv). To train on CPUs anyway, set TRAIN_ON_CPU=1."
+        )
+    return False
+
+
+def get_device(local_rank: int) -> torch.device:
+    """This process's GPU, made its current device, or the CPU. Slurm may show a task
+    every GPU of its node or only its own (--gpu-bind, a MIG slice): a process that sees
+    one GPU takes it, else the one at its local rank."""
+    if not use_gpus():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    index = 0 if visible == 1 else local_rank
+    if index >= visible:
+        raise SystemExit(
+            f"error: the process of local rank {local_rank} sees {visible} GPUs, none "
+            "of them its own. Ask for a GPU per process: as many GPUs per node as "
+            "processes per node."
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def get_num_workers() -> int:
+    """DataLoader workers: this process's share of its task's CPUs, less one."""
+    # The CPUs Slurm bound the task to; where a site does not bind, the job's share.
+    affinity = getattr(os, "sched_getaffinity", None)  # macOS has none
+    cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    if "SLURM_CPUS_PER_TASK" in os.environ:
+        cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    # torchrun's processes share their task's CPUs.
+    return max(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
+
+
+def end_with_rank(rank_pid: int, worker_id: int):
+    """A DataLoader worker's worker_init_fn: a thread ends the worker once process
+    `rank_pid`, which it loads for, has ended or sent it SIGTERM. Workers that are not
+    its children, or that block SIGTERM, would outlive a process killed out of memory,
+    say, holding the job's output open, or ignore multiprocessing's end at an error.
+    """
+
+    def watch():
+        while True:
+            # A SIGTERM from anyone else (Slurm signals the whole step) is dropped.
+            received = signal.sigtimedwait({signal.SIGTERM}, 1)
+            if received is not None and received.si_pid == rank_pid:
+                os._exit(0)
+            try:
+                os.kill(rank_pid, 0)  # signal 0: only asks whether it exists
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()
+    # DDP's reference cycles keep the process group alive: collect them while Python
+    # can still end its threads cleanly. Left to the exit, gloo aborts (exit code 134).
+    gc.collect()
+    dist.destroy_process_group()
