@@ -270,8 +270,8 @@ def test_a_killed_rank_leaves_no_dataloader_worker_behind(name):
 
 
 # What a task started by srun under pyxis has, with an image that sets PYTORCH_VERSION:
-# srun's variables, and pyxis's RANK and LOCAL_RANK, copied from them, and WORLD_SIZE
-# from enroot's PyTorch hook (docs/containers.md).
+# srun's variables, pyxis's RANK and LOCAL_RANK, copied from them, and WORLD_SIZE from
+# enroot's PyTorch hook (docs/containers.md). Only where they agree are they srun's.
 SRUN_TASK = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
              "SLURM_STEP_NUM_TASKS": "8"}  # fmt: skip
 PYXIS = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}
@@ -284,6 +284,11 @@ PYXIS = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}
         # torchrun started by srun: torchrun's own numbers, whatever srun's are.
         ({**SRUN_TASK, **PYXIS, "TORCHELASTIC_RUN_ID": "1"}, "torchrun"),
         (PYXIS, "torchrun"),  # set by hand, or by another launcher
+        # A launcher's own numbers under srun, as mp.spawn's children in one task.
+        (
+            {**SRUN_TASK, **PYXIS, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"},
+            "torchrun",
+        ),
     ],
 )
 def test_srun_variables_win_unless_torchrun_started_the_process(

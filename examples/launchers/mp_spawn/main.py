@@ -434,11 +434,12 @@ def find_place() -> tuple[Place, str]:
     # The batch script has SLURM_PROCID and SLURM_NTASKS too, but no step.
     srun = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
     variables = {"torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"), "srun": srun}
-    # srun's first, unless torchrun started this process. pyxis sets RANK, LOCAL_RANK
-    # and WORLD_SIZE in srun's tasks too; rendezvous() serves from MASTER_ADDR's node,
-    # where rank 0 need not run.
-    torchrun = "TORCHELASTIC_RUN_ID" in env
-    for launcher in ["torchrun", "srun"] if torchrun else ["srun", "torchrun"]:
+    # pyxis copies srun's numbers into RANK, LOCAL_RANK and WORLD_SIZE: read them as
+    # srun's. rendezvous() serves from MASTER_ADDR's node, where rank 0 need not run.
+    copied = "TORCHELASTIC_RUN_ID" not in env and all(
+        env.get(a) == env.get(b) for a, b in zip(*variables.values(), strict=False)
+    )
+    for launcher in ["srun", "torchrun"] if copied else ["torchrun", "srun"]:
         names = variables[launcher]
         if all(name in env for name in names):
             place = Place(*(int(env[name]) for name in names[:3]))
