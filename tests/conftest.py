@@ -25,15 +25,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     """Deselects the tests marked since_slurm(V) when the test cluster runs a Slurm
-    older than V, and those marked apptainer where its root has no Apptainer (all but
-    26.05): deselected, not skipped, as CI counts a skip as a failure."""
+    older than V, those marked apptainer where its root has no Apptainer (all but
+    26.05), and those marked apptainer(False) where it has: deselected, not skipped, as
+    CI counts a skip as a failure."""
     lab = Lab(version=config.getoption("--slurm-version"))  # starts nothing
     keep, drop = [], []
     for item in items:
         mark = item.get_closest_marker("since_slurm")
         too_old = mark is not None and not lab.at_least(mark.args[0])
-        no_apptainer = item.get_closest_marker("apptainer") and not lab.has_apptainer
-        (drop if too_old or no_apptainer else keep).append(item)
+        # apptainer: needs Apptainer; apptainer(False): needs a cluster without it.
+        apptainer = item.get_closest_marker("apptainer")
+        wrong = apptainer and (apptainer.args or [True])[0] != lab.has_apptainer
+        (drop if too_old or wrong else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

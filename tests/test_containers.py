@@ -58,9 +58,13 @@ def test_the_container_step_runs_step_4_unchanged():
     job = (FOLDER / "job.sh").read_text()
     image = f"images/pytorch-{tag[1]}.sif"
     assert f"image=${{IMAGE:-$storage/{image}}}" in job
-    assert f'apptainer build "$SCRATCH/{image}" pytorch.def' in job
     assert f'apptainer build "$SCRATCH/{image}" pytorch.def' in definition
     assert image == IMAGE  # where the test cluster puts its stand-in
+    # Every task starts main.py in the image with the node's NVIDIA libraries (--nv):
+    # the test nodes have none, so only this line shows it.
+    assert re.search(
+        r'^srun .*\\\n +apptainer exec --nv "\$image" python main\.py "\$@"', job, re.M
+    )
 
 
 @in_containers
@@ -112,7 +116,8 @@ def fails_fast(lab, tmp_path, **env) -> str:
 def test_a_missing_image_fails_fast_and_names_the_fix(lab, tmp_path):
     missing = lab.state / "scratch" / "images" / "nothing-here.sif"
     out = fails_fast(lab, tmp_path, IMAGE=str(missing))
-    assert f"error: no container image at {missing}: build it as the top of " in out
+    assert f"error: no container image at {missing}: build it with" in out
+    assert f"`apptainer build {missing} pytorch.def`, or set IMAGE to yours" in out
 
 
 @in_containers
@@ -121,8 +126,16 @@ def test_a_bind_of_a_missing_folder_fails_fast_and_names_the_fix(lab, tmp_path):
     missing = lab.state / "datasets-not-on-this-node"
     out = fails_fast(lab, tmp_path, APPTAINER_BIND=str(missing))
     assert f"mount source {missing} doesn't exist" in out
-    assert "error: the container cannot see " in out
+    assert "error: apptainer could not start " in out
     assert f"APPTAINER_BIND={missing}," in out
+
+
+@pytest.mark.slurm
+@pytest.mark.apptainer(False)
+def test_a_node_without_apptainer_fails_fast_and_names_the_fix(lab, tmp_path):
+    # Slurm 24.11's nodes have no Apptainer, as a node whose module is not loaded.
+    out = fails_fast(lab, tmp_path)
+    assert "error: no apptainer command on cn1: load its module" in out
 
 
 @in_containers
@@ -136,6 +149,10 @@ def test_gpus_not_shown_to_the_container_stop_it_at_once(lab, tmp_path):
     assert time.monotonic() - start < FAIL_FAST
     out = " ".join(done.output.split())
     assert "a container started without its GPUs (apptainer --nv)" in out, out
+    # main.py's exit status (1, for the error) reached srun through apptainer.
+    assert re.search(
+        r"srun: error: cn\d: tasks? [\d-]+: Exited with exit code 1\b", out
+    )
 
 
 # ------------------------------------------------------------

@@ -117,8 +117,14 @@ def test_arch_rule_matches_nvidias_compatibility():
     assert runs_on(["compute_70"], (9, 0))  # PTX compiles for newer GPUs
 
 
+# The container job runs its image's torch instead (below).
+CONTAINER = EXAMPLES_DIR / "generic" / "container"
+
+
 @pytest.mark.parametrize(
-    "script", JOB_SCRIPTS, ids=lambda p: str(p.parent.relative_to(EXAMPLES_DIR))
+    "script",
+    [p for p in JOB_SCRIPTS if p.parent != CONTAINER],
+    ids=lambda p: str(p.parent.relative_to(EXAMPLES_DIR)),
 )
 def test_every_gpu_a_job_asks_for_runs_the_build_it_installs(script):
     text = script.read_text()
@@ -145,6 +151,17 @@ def test_every_gpu_a_job_asks_for_runs_the_build_it_installs(script):
     assert driver and int(driver[1]) == needed, (
         f"CUDA {cuda} needs driver {needed} or newer"
     )
+
+
+def test_the_container_image_names_the_driver_its_cuda_needs():
+    # The image's kernels cannot be read here (the test machines cannot reach NGC): its
+    # definition file names its CUDA and the driver that needs, and job.sh asks for no
+    # GPU type whose compute capability would have to be checked against it.
+    definition = (CONTAINER / "pytorch.def").read_text()
+    cuda = re.search(r"CUDA (\d+)\.\d+", definition)
+    driver = re.search(r"NVIDIA driver (\d+) or newer", definition)
+    assert cuda and driver and int(driver[1]) == DRIVER_FOR_CUDA[cuda[1]], definition
+    assert gpu_types((CONTAINER / "job.sh").read_text()) == set()
 
 
 def test_gpu_types_are_read_from_every_form_of_request():

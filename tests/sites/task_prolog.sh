@@ -9,12 +9,14 @@ dir="/tmp/ddp-slurm-lab/local-disk/$SLURM_JOB_ID"
 mkdir -p "$dir"
 echo "export SLURM_TMPDIR=$dir"
 # A task that `srun --container-image` starts under pyxis, in an image that sets
-# PYTORCH_VERSION (NVIDIA's), gets RANK and LOCAL_RANK from pyxis, WORLD_SIZE and
-# MASTER_PORT from enroot's PyTorch hook (MASTER_ADDR too, where the image has
-# scontrol; NVIDIA's has none). A test asks for them with LAB_PYXIS_PYTORCH=1.
-if [[ ${LAB_PYXIS_PYTORCH:-} == 1 ]]; then
+# PYTORCH_VERSION (NVIDIA's), gets RANK and LOCAL_RANK from pyxis, and WORLD_SIZE,
+# MASTER_PORT and MASTER_ADDR (the step's first node) from enroot's PyTorch hook, where
+# the site enabled it. A test asks for them with LAB_PYXIS_PYTORCH=1.
+if [[ ${LAB_PYXIS_PYTORCH:-} == 1 && -n ${SLURM_STEP_NODELIST:-} ]]; then
     echo "export RANK=$SLURM_PROCID"
     echo "export LOCAL_RANK=$SLURM_LOCALID"
     echo "export WORLD_SIZE=$SLURM_NTASKS"
     echo "export MASTER_PORT=$((SLURM_JOB_ID % 4536 + 61000))"
+    first=$(scontrol show hostnames "$SLURM_STEP_NODELIST" | head -n 1)
+    echo "export MASTER_ADDR=$first"
 fi

@@ -32,8 +32,7 @@ echo "Job $SLURM_JOB_ID, start number $((${SLURM_RESTART_COUNT:-0} + 1))," \
 
 # --- Site-specific: the container image, and where the dataset lives ------------------
 # main.py runs inside an image built from NVIDIA's PyTorch image, which has torch and
-# torchvision. Build it once, on a login node, where the image is to live:
-#   apptainer build "$SCRATCH/images/pytorch-25.12.sif" pytorch.def
+# torchvision. Build it once, on a login node: the top of pytorch.def says how.
 # A folder with train/ and val/, one subfolder of images per class, on storage that
 # every node reads. main.py reads DATA_DIR; `sbatch job.sh --synthetic-data` needs none.
 export DATA_DIR=$SCRATCH/data/imagenet
@@ -45,27 +44,43 @@ if ! mkdir -p "$CHECKPOINT_DIR" || [[ ! -w $CHECKPOINT_DIR ]]; then
     echo "error: cannot write checkpoints to $CHECKPOINT_DIR" >&2
     exit 1
 fi
+if ! command -v apptainer >/dev/null; then
+    echo "error: no apptainer command on $(hostname): load its module" \
+        "(\`module load apptainer\` on many sites), or ask your site" >&2
+    exit 1
+fi
 # IMAGE picks another image: `sbatch --export=ALL,IMAGE=$PWD/other.sif job.sh`.
 image=${IMAGE:-$storage/images/pytorch-25.12.sif}
 if [[ ! -e $image ]]; then
-    echo "error: no container image at $image: build it as the top of pytorch.def" \
-        "says, or set IMAGE to yours" >&2
+    echo "error: no container image at $image: build it with" \
+        "\`apptainer build $image pytorch.def\`, or set IMAGE to yours" >&2
     exit 1
 fi
-# Inside, the container sees its image, plus the host folders that Apptainer binds:
-# your home, the job's folder and those in APPTAINER_BIND, at the same paths. Bind the
-# storage and the node's local disk; folders you bind before sbatch are kept.
-binds=$storage${SLURM_TMPDIR:+,$SLURM_TMPDIR}
-export APPTAINER_BIND=${APPTAINER_BIND:+$APPTAINER_BIND,}$binds
+# Inside, the container sees its image and the host folders that Apptainer binds: by
+# default your home, /tmp and the folder you submitted from; then those in
+# APPTAINER_BIND, at the same paths. Bind the storage, and the job's local folder where
+# the site gives one; binds set before sbatch, or by a site's module, are kept.
+binds=${APPTAINER_BIND:-${SINGULARITY_BIND:-}}
+binds=${binds:+$binds,}$storage${SLURM_TMPDIR:+,$SLURM_TMPDIR}
+export APPTAINER_BIND=$binds
 # Fail now if a folder of the job is missing inside, not when main.py first needs it.
-for folder in "$CHECKPOINT_DIR" "$DATA_DIR"; do
-    if [[ -d $folder ]] && ! apptainer exec "$image" test -d "$folder"; then
-        echo "error: the container cannot see $folder: bind it, or a folder above it," \
-            "with APPTAINER_BIND, whose every folder must exist on the node" \
-            "(APPTAINER_BIND=$APPTAINER_BIND)" >&2
-        exit 1
-    fi
-done
+folders=("$CHECKPOINT_DIR")
+[[ -d $DATA_DIR ]] && folders+=("$DATA_DIR")
+# shellcheck disable=SC2016 # $f expands in the container's shell
+list_missing='for f; do [ -d "$f" ] || echo "$f"; done'
+if ! missing=$(apptainer exec "$image" sh -c "$list_missing" sh "${folders[@]}"); then
+    echo "error: apptainer could not start $image (its error is above). Check that" \
+        "every folder in APPTAINER_BIND exists on $(hostname):" \
+        "APPTAINER_BIND=$APPTAINER_BIND" >&2
+    exit 1
+fi
+if [[ -n $missing ]]; then
+    echo "error: the container cannot see ${missing//$'\n'/, }: bind it, or a folder" \
+        "above it, with APPTAINER_BIND before sbatch (now: $APPTAINER_BIND)" >&2
+    exit 1
+fi
+# Packages that `pip install --user` put in your home would load before the image's.
+export PYTHONNOUSERSITE=1
 
 # The resources Slurm granted, at the top of the output, for when something looks wrong.
 scontrol show job "$SLURM_JOB_ID"
@@ -110,8 +125,8 @@ before=$(newest_checkpoint)
 # main.py leaves these marks: when it stops on an error that a person must act on; when
 # it finds no scontrol to requeue the job with (in a container, say).
 rm -f "$CHECKPOINT_DIR/stopped-on-error" "$CHECKPOINT_DIR/requeue"
-# Each task runs `apptainer exec`, which starts main.py inside the image. --nv shows the
-# container the node's NVIDIA driver and the task's GPUs: without it, CUDA sees none.
+# Each task runs `apptainer exec`, which starts main.py in the image. --nv brings the
+# node's NVIDIA driver libraries into the container: without them, CUDA finds no GPU.
 status=0
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" \
     apptainer exec --nv "$image" python main.py "$@" || status=$?
