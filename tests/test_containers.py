@@ -88,7 +88,7 @@ def test_requeued_from_inside_the_container_it_resumes_exactly(
     (step,) = {int(step) for _, step in stops}
     assert len(stops) == EXACT_RANKS, resumed.output
     assert re.search(rf"Resumed from \S+ at step {step}\b", resumed.output)
-    # Every rank on its node, two a node, each start.
+    # Every rank on its node, two a node.
     summaries = parse_summaries(resumed.output)
     assert sorted(s["host"] for s in summaries) == ["cn1", "cn1", "cn2", "cn2"]
     # The same numbers, bitwise, as step 4 run directly by srun and never interrupted.

@@ -1,5 +1,5 @@
 """The test cluster's stand-in for an NGC PyTorch image: an Apptainer sandbox (a folder
-image) made of hard links in about a second, so it needs no cache.
+image) made of hard links in 1 to 3 s (104,000 files), so it needs no cache.
 
 It holds what such an image holds, and lacks what it lacks:
 - the node root's Debian, less Slurm's commands and munge (NGC images have none: no

@@ -363,7 +363,8 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         )
         # Ibex: TinyImageNet, small and synthetic, in the real on-disk layout.
         tinyimagenet.make(self.state / "tinyimagenet")
-        # Generic, the container example: its image, where its job.sh looks for it.
+        # Generic, the container example: its image, where its job.sh looks for it (a
+        # folder, which Apptainer runs as a sandbox image whatever its name).
         if self.has_apptainer:
             assert self.root is not None
             container_image.make(self.root, self.state / "scratch" / IMAGE)
