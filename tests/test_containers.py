@@ -155,6 +155,30 @@ def test_gpus_not_shown_to_the_container_stop_it_at_once(lab, tmp_path):
     )
 
 
+@in_containers
+def test_without_tmp_python_writes_its_temporary_files_in_the_current_folder(
+    lab, tmp_path
+):
+    # A site whose Apptainer binds no /tmp (`mount tmp = no`): the image's /tmp is
+    # read-only, so Python falls back to the current folder. From a deep folder, the
+    # socket of multiprocessing's fork server gets too long a path (AF_UNIX).
+    code = "import tempfile; print(tempfile.gettempdir())"
+    exec_ = ["apptainer", "exec", str(lab.state / "scratch" / IMAGE), "python", "-c"]
+
+    def temporary_folder(**env) -> str:
+        return subprocess.run(
+            ["srun", "-N1", "-n1", *exec_, code], cwd=tmp_path, check=True,
+            env=lab.env(APPTAINER_USERNS="1", **env), capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+
+    assert temporary_folder() == "/tmp"  # Apptainer's default binds
+    assert temporary_folder(APPTAINER_NO_MOUNT="tmp") == str(tmp_path)
+    # The fix: a folder of the node's own disk, bound at /tmp.
+    (tmp_path / "node-tmp").mkdir()
+    bind = f"{tmp_path}/node-tmp:/tmp"
+    assert temporary_folder(APPTAINER_NO_MOUNT="tmp", APPTAINER_BIND=bind) == "/tmp"
+
+
 # ------------------------------------------------------------
 # pyxis and enroot
 

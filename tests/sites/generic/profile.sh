@@ -15,9 +15,8 @@ export LAB_MODULES=""
 export LAB_CONDA_ENVS=""
 export SCRATCH=/tmp/ddp-slurm-lab/scratch
 # Apptainer (the container example, on Slurm 26.05): in user-namespace mode, since its
-# privileged mode needs capabilities that this machine does not grant, even to root. It
-# keeps /tmp out of the container, as on a site whose storage lies elsewhere: here
-# $SCRATCH and the local disk are under /tmp, and job.sh must bind them itself.
-export APPTAINER_USERNS=1 APPTAINER_NO_MOUNT=tmp
+# privileged mode needs capabilities that this machine does not grant, even to root.
+# Its default binds stay, /tmp among them.
+export APPTAINER_USERNS=1
 # shellcheck source=tests/sites/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
