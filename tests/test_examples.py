@@ -291,7 +291,7 @@ PYXIS = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}
         ),
     ],
 )
-def test_srun_variables_win_unless_torchrun_started_the_process(
+def test_numbers_that_pyxis_copied_from_srun_are_read_as_srun_s(
     monkeypatch, env, launcher
 ):
     main = load_main("generic/multi_node")
