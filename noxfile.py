@@ -34,7 +34,11 @@ PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 JOB_SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("examples/**/*.sh"))
 SITE_SCRIPTS = sorted(
     str(p.relative_to(ROOT))
-    for p in [*ROOT.glob("tests/sites/**/*"), *ROOT.glob("tests/helpers/hang/*")]
+    for p in [
+        *ROOT.glob("tests/sites/**/*"),
+        *ROOT.glob("tests/helpers/hang/*"),
+        *ROOT.glob("tests/helpers/lightning_alone/*"),
+    ]
     if p.suffix == ".sh" or p.name == "activate"
 )
 

@@ -175,6 +175,14 @@ EXAMPLES: dict[str, Launch] = {
         "torchrun", nodes=2, args=GENERIC_SMOKE_ARGS, val_samples=GENERIC_VAL_SAMPLES,
         dataset="imagefolder",
     ),
+    "launchers/lightning": Launch(
+        "srun", nodes=2, args=GENERIC_SMOKE_ARGS, val_samples=GENERIC_VAL_SAMPLES,
+        dataset="imagefolder",
+    ),
+    "launchers/accelerate": Launch(
+        "srun", nodes=2, args=GENERIC_SMOKE_ARGS, val_samples=GENERIC_VAL_SAMPLES,
+        dataset="imagefolder",
+    ),
     "launchers/mp_spawn": Launch(
         "python", procs_per_task=2, args=(*GENERIC_SMOKE_ARGS, "--nprocs", "2"),
         val_samples=GENERIC_VAL_SAMPLES, dataset="imagefolder",

@@ -1,0 +1,256 @@
+"""The launchers page's framework examples, Lightning and Accelerate: they train as
+step 3 does, and what Lightning's Slurm support does under the real Slurm test cluster:
+its requeue at SIGUSR1 and what the resumed run loses, the SIGTERM it bypasses, its
+check of --ntasks-per-node, and the meeting that hangs where Slurm 26.05 runs rank 0 on
+another node than the first. And, for `accelerate launch`, where srun's variables are
+expanded."""
+
+import random
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from slurm_lab import Lab
+from smoke import (
+    EXAMPLES_DIR,
+    GENERIC_SMOKE_ARGS,
+    check_run,
+    numbers,
+    parse_summaries,
+)
+from test_failures import (
+    EPOCH_END,
+    FAIL_FAST,
+    read,
+    restart_when_requeued,
+    submit,
+    wait_until,
+)
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+STEP_3 = "generic/multi_node"
+FRAMEWORKS = ["launchers/lightning", "launchers/accelerate"]
+LIGHTNING = "launchers/lightning"
+READER = "# ---- Your model and data"
+TRAINING = "# ---- Training"
+slurm = pytest.mark.slurm
+
+# The Lightning jobs that are stopped: 2 nodes x 1 task, as many GPUs per node (the
+# Trainer's `devices`), 3 epochs of 16 steps on the site's image folder, cropped and
+# flipped at random by 2 DataLoader workers per rank.
+ONE_PER_NODE = ["--ntasks-per-node=1", "--gpus-per-node=1"]
+STEPS_PER_EPOCH = 16
+RUN = (
+    "--model", "resnet18", "--image-size", "32", "--warmup-steps", "10",
+    "--log-every", "4", "--epochs", "3", "--batch-size", "4", "--num-workers", "2",
+)  # fmt: skip
+
+
+def checkpoints(lab: Lab, workdir: Path) -> Path:
+    """job.sh's CHECKPOINT_DIR for the run of `workdir`."""
+    from test_failures import run_name
+
+    return lab.state / "scratch" / "checkpoints" / run_name(workdir)
+
+
+def submit_lightning(lab: Lab, workdir: Path, *args: str, options=ONE_PER_NODE) -> str:
+    return submit(
+        lab, LIGHTNING, *args, workdir=workdir, site="generic", options=options
+    )
+
+
+def test_the_framework_examples_keep_step_3_s_model_and_data():
+    def reader_part(name: str) -> str:
+        source = (EXAMPLES_DIR / name / "main.py").read_text()
+        return source[source.index(READER) : source.index(TRAINING)]
+
+    for name in FRAMEWORKS:
+        assert reader_part(name) == reader_part(STEP_3), name
+
+
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_the_framework_trains_as_step_3_does(smoke_run, name):
+    mine, step_3 = smoke_run(name), smoke_run(STEP_3)
+    assert check_run(mine) == [], mine.output
+    # Same weights, batches, augmentations and optimizer: on CPUs with gloo, the same
+    # numbers to the last bit. (On GPUs, nondeterministic kernels make two runs of one
+    # program differ already.)
+    assert numbers(mine.summaries) == numbers(step_3.summaries), mine.output
+
+
+def test_the_tutorial_s_loader_is_refused():
+    # The DDP tutorial series' DataLoader: shuffle=True beside a DistributedSampler.
+    data = TensorDataset(torch.arange(8))
+    sampler = DistributedSampler(data, num_replicas=2, rank=0)
+    with pytest.raises(ValueError, match="sampler option is mutually exclusive"):
+        DataLoader(data, batch_size=2, shuffle=True, sampler=sampler)
+
+
+@slurm
+@pytest.mark.timeout(1800)  # it may be the first to wait for the checks' jobs
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_the_framework_job_ends_as_step_3_s_job(jobs, name):
+    # The jobs of test_slurm.py: job.sh's 2 nodes x 4 tasks, every rank on its node.
+    job, step_3 = jobs(name), jobs(STEP_3)
+    assert job.ok and step_3.ok, job.output + step_3.output
+    mine = parse_summaries(job.output)
+    assert len(mine) == 8 and numbers(mine) == numbers(parse_summaries(step_3.output))
+
+
+@slurm
+def test_lightning_requeued_at_sigusr1_resumes_and_repeats_part_of_an_epoch(
+    lab, tmp_path
+):
+    twin = submit_lightning(lab, tmp_path / "twin", *RUN)
+    job = submit_lightning(lab, tmp_path / "warned", *RUN)
+    output = tmp_path / "warned" / f"slurm-{job}.out"
+    wait_until(lambda: EPOCH_END in read(output), 120, "an epoch of training")
+    time.sleep(random.uniform(0.1, 1.5))  # a random moment within the next epoch
+    # What #SBATCH --signal=USR1@120 sends before the time limit, to every task.
+    subprocess.run(["scancel", "--signal=USR1", job], env=lab.env(), check=True)
+    restart_when_requeued(lab, job, restarts=1)
+    warned = lab.wait(job, tmp_path / "warned", timeout=300)
+    uninterrupted = lab.wait(twin, tmp_path / "twin", timeout=300)
+    assert warned.ok and uninterrupted.ok, warned.output + uninterrupted.output
+
+    # Every process stopped at one step, rank 0 left the mark, job.sh requeued the
+    # job, and Lightning resumed from the checkpoint.
+    text = warned.output
+    saved = checkpoints(lab, tmp_path / "warned") / "hpc_ckpt_1.ckpt"
+    [stop] = re.findall(
+        rf"Stopped at step (\d+) \(SIGUSR1\), checkpoint: {saved}", text
+    )
+    stop = int(stop)
+    assert f"Restored all states from the checkpoint at {saved}" in text, text
+    assert torch.load(saved, weights_only=False)["global_step"] == stop
+
+    # The resumed run took as many steps as the uninterrupted one, and its numbers
+    # agree across ranks. But it started the interrupted epoch's batches over, and
+    # stopped that epoch at its usual count of steps: the batches done before the stop
+    # were trained on twice, as many at the epoch's end not at all.
+    mine, theirs = parse_summaries(text), parse_summaries(uninterrupted.output)
+    assert len(mine) == len(theirs) == 2, text
+    assert check_run_numbers(mine) and check_run_numbers(theirs)
+    assert mine[0]["steps"] == theirs[0]["steps"] == 3 * STEPS_PER_EPOCH
+    assert mine[0]["first_loss"] == theirs[0]["first_loss"]  # kept by the checkpoint
+    if stop % STEPS_PER_EPOCH:
+        assert "resuming from a checkpoint that ended before the epoch ended" in text
+        assert mine[0]["last_loss"] != theirs[0]["last_loss"], (mine, theirs)
+    print(f"Lightning: stopped at step {stop}, resumed; final {mine[0]} vs {theirs[0]}")
+
+
+def check_run_numbers(summaries: list[dict]) -> bool:
+    """Every rank reports the same numbers, all of them finite."""
+    same = [
+        {k: v for k, v in s.items() if k not in ("rank", "host")} for s in summaries
+    ]
+    return all(s == same[0] for s in same) and all(
+        torch.isfinite(torch.tensor(s["last_loss"])) for s in summaries
+    )
+
+
+ALONE = Path(__file__).resolve().parent / "helpers" / "lightning_alone" / "job.sh"
+
+
+@slurm
+def test_at_sigterm_alone_lightning_stops_unsaved_and_the_example_saves(lab, tmp_path):
+    # A time limit with no --signal, or preemption: Slurm sends SIGTERM alone (scancel
+    # sends it here), and SIGKILL KillWait seconds later. Lightning's own Slurm
+    # support, on by default, logs that it bypasses it, saves nothing, and does not
+    # requeue the job. The example saves, and leaves the requeue to Slurm.
+    options = ["--nodes=2", *ONE_PER_NODE]
+    folder = tmp_path / "alone"
+    folder.mkdir()
+    alone = lab.sbatch(
+        ALONE, "60", "1000000", str(folder), site="generic", workdir=folder,
+        options=options,
+    )  # fmt: skip
+    example = submit_lightning(lab, tmp_path / "example", *RUN)
+    started = "SLURM auto-requeueing enabled"
+    log = folder / f"slurm-{alone}.out"
+    wait_until(lambda: started in read(log), 120, "Lightning's start")
+    output = tmp_path / "example" / f"slurm-{example}.out"
+    wait_until(lambda: EPOCH_END in read(output), 120, "an epoch of training")
+    for job in (alone, example):
+        subprocess.run(["scancel", "--signal=TERM", job], env=lab.env(), check=True)
+    stopped = lab.wait(alone, folder, timeout=FAIL_FAST)
+    assert "Bypassing SIGTERM" in stopped.output, stopped.output
+    assert "trained:" not in stopped.output, stopped.output
+    assert not list(folder.glob("hpc_ckpt_*")), stopped.output
+    done = lab.wait(example, tmp_path / "example", timeout=FAIL_FAST)
+    saved = checkpoints(lab, tmp_path / "example") / "hpc_ckpt_1.ckpt"
+    assert re.search(
+        rf"Stopped at step \d+ \(SIGTERM\), checkpoint: {saved}", done.output
+    )
+    assert saved.exists() and not parse_summaries(done.output), done.output
+    assert not (saved.parent / "requeue").exists(), done.output
+    for job in (alone, example):
+        assert lab.job_info(job).get("Restarts") == "0", job
+
+
+@slurm
+def test_lightning_stops_when_tasks_per_node_differ_from_gpus_per_node(lab, tmp_path):
+    start = time.monotonic()
+    options = ["--ntasks-per-node=2"]  # job.sh's 4 GPUs per node kept
+    job = submit_lightning(lab, tmp_path, *GENERIC_SMOKE_ARGS, options=options)
+    done = lab.wait(job, tmp_path, timeout=FAIL_FAST)
+    assert done.state == "FAILED", done.output
+    assert time.monotonic() - start < FAIL_FAST
+    message = (
+        "You set `devices=4` in Lightning, but the number of tasks per node "
+        "configured in SLURM `--ntasks-per-node=2` does not match"
+    )
+    assert message in re.sub(r"\s+", " ", done.output), done.output
+
+
+@slurm
+@pytest.mark.every_version
+@pytest.mark.since_slurm("26.05")
+def test_lightning_meets_where_slurm_26_05_runs_rank_0_on_another_node(lab, tmp_path):
+    # 2 nodes x 2 tasks: on 26.05, with the test cluster's topology.conf, rank 0 runs
+    # on cn2 (test_slurm_versions.py: test_the_node_that_runs_task_0).
+    # Lightning alone: rank 0 waits for the others on cn2, and they look for it at
+    # MASTER_ADDR, cn1. Given 10 s to meet, it fails; by default it would wait 30 min.
+    layout = ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2"]
+    (tmp_path / "alone").mkdir()
+    alone = lab.sbatch(
+        ALONE, "10", "2", str(tmp_path / "alone"), site="generic",
+        workdir=tmp_path / "alone", options=layout,
+    )  # fmt: skip
+    example = submit_lightning(
+        lab, tmp_path / "example", *GENERIC_SMOKE_ARGS, options=layout
+    )
+    hung = lab.wait(alone, tmp_path / "alone", timeout=120)
+    assert hung.state == "FAILED" and "trained:" not in hung.output, hung.output
+    timed_out = "socket has timed out after 10000ms while trying to connect to (cn1,"
+    assert timed_out in hung.output, hung.output
+    # The example forms the group first, served by the first task of the first node,
+    # and Lightning uses it: every rank trains, rank 0 on cn2.
+    done = lab.wait(example, tmp_path / "example", timeout=150)
+    assert done.ok, done.output
+    hosts = {s["rank"]: s["host"] for s in parse_summaries(done.output)}
+    assert len(hosts) == 4 and hosts[0] == "cn2", done.output
+
+
+@slurm
+def test_srun_expands_the_node_id_in_the_task_only_when_quoted(lab, tmp_path):
+    # `srun accelerate launch --machine_rank $SLURM_NODEID ...` in the batch script
+    # expands it there, once, on the first node: every node gets 0. In single quotes,
+    # each task's own shell expands it.
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        "srun bash -c 'echo \"task $SLURM_NODEID\"'\n"
+        'srun echo "batch $SLURM_NODEID"\n'
+    )
+    options = ["--nodes=2", "--ntasks-per-node=1"]
+    job = lab.sbatch(script, site=None, workdir=tmp_path, options=options)
+    done = lab.wait(job, tmp_path, timeout=FAIL_FAST)
+    assert done.ok, done.output
+    lines = done.output.split()
+    assert sorted(re.findall(r"task \d", done.output)) == ["task 0", "task 1"], lines
+    assert re.findall(r"batch \d", done.output) == ["batch 0", "batch 0"], lines
