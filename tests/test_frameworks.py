@@ -1,9 +1,9 @@
 """The launchers page's framework examples, Lightning and Accelerate: they train as
-step 3 does, and what Lightning's Slurm support does under the real Slurm test cluster:
-its requeue at SIGUSR1 and what the resumed run loses, the SIGTERM it bypasses, its
-check of --ntasks-per-node, and the meeting that hangs where Slurm 26.05 runs rank 0 on
-another node than the first. And, for `accelerate launch`, where srun's variables are
-expanded."""
+step 3 does. And what Lightning's Slurm support does under the real Slurm test cluster:
+its requeue at SIGUSR1, which the example replaces, and what a resumed run repeats; the
+SIGTERM it bypasses, at which the example saves; its check of --ntasks-per-node; and the
+meeting that hangs where Slurm 26.05 runs rank 0 on another node than the first. And,
+for `accelerate launch`, where srun's variables are expanded."""
 
 import random
 import re
@@ -26,6 +26,7 @@ from test_failures import (
     FAIL_FAST,
     read,
     restart_when_requeued,
+    run_name,
     submit,
     wait_until,
 )
@@ -44,6 +45,7 @@ slurm = pytest.mark.slurm
 # flipped at random by 2 DataLoader workers per rank.
 ONE_PER_NODE = ["--ntasks-per-node=1", "--gpus-per-node=1"]
 STEPS_PER_EPOCH = 16
+STEPS = 40  # two epochs and a half
 RUN = (
     "--model", "resnet18", "--image-size", "32", "--warmup-steps", "10",
     "--log-every", "4", "--epochs", "3", "--batch-size", "4", "--num-workers", "2",
@@ -52,8 +54,6 @@ RUN = (
 
 def checkpoints(lab: Lab, workdir: Path) -> Path:
     """job.sh's CHECKPOINT_DIR for the run of `workdir`."""
-    from test_failures import run_name
-
     return lab.state / "scratch" / "checkpoints" / run_name(workdir)
 
 
@@ -105,8 +105,10 @@ def test_the_framework_job_ends_as_step_3_s_job(jobs, name):
 def test_lightning_requeued_at_sigusr1_resumes_and_repeats_part_of_an_epoch(
     lab, tmp_path
 ):
-    twin = submit_lightning(lab, tmp_path / "twin", *RUN)
-    job = submit_lightning(lab, tmp_path / "warned", *RUN)
+    # --max-steps ends training within the last epoch: main() then validates itself.
+    args = (*RUN, "--max-steps", str(STEPS))
+    twin = submit_lightning(lab, tmp_path / "twin", *args)
+    job = submit_lightning(lab, tmp_path / "warned", *args)
     output = tmp_path / "warned" / f"slurm-{job}.out"
     wait_until(lambda: EPOCH_END in read(output), 120, "an epoch of training")
     time.sleep(random.uniform(0.1, 1.5))  # a random moment within the next epoch
@@ -120,7 +122,7 @@ def test_lightning_requeued_at_sigusr1_resumes_and_repeats_part_of_an_epoch(
     # Every process stopped at one step, rank 0 left the mark, job.sh requeued the
     # job, and Lightning resumed from the checkpoint.
     text = warned.output
-    saved = checkpoints(lab, tmp_path / "warned") / "hpc_ckpt_1.ckpt"
+    saved = checkpoints(lab, tmp_path / "warned") / "checkpoint-1.ckpt"
     [stop] = re.findall(
         rf"Stopped at step (\d+) \(SIGUSR1\), checkpoint: {saved}", text
     )
@@ -135,7 +137,7 @@ def test_lightning_requeued_at_sigusr1_resumes_and_repeats_part_of_an_epoch(
     mine, theirs = parse_summaries(text), parse_summaries(uninterrupted.output)
     assert len(mine) == len(theirs) == 2, text
     assert check_run_numbers(mine) and check_run_numbers(theirs)
-    assert mine[0]["steps"] == theirs[0]["steps"] == 3 * STEPS_PER_EPOCH
+    assert mine[0]["steps"] == theirs[0]["steps"] == STEPS
     assert mine[0]["first_loss"] == theirs[0]["first_loss"]  # kept by the checkpoint
     if stop % STEPS_PER_EPOCH:
         assert "resuming from a checkpoint that ended before the epoch ended" in text
@@ -182,7 +184,7 @@ def test_at_sigterm_alone_lightning_stops_unsaved_and_the_example_saves(lab, tmp
     assert "trained:" not in stopped.output, stopped.output
     assert not list(folder.glob("hpc_ckpt_*")), stopped.output
     done = lab.wait(example, tmp_path / "example", timeout=FAIL_FAST)
-    saved = checkpoints(lab, tmp_path / "example") / "hpc_ckpt_1.ckpt"
+    saved = checkpoints(lab, tmp_path / "example") / "checkpoint-1.ckpt"
     assert re.search(
         rf"Stopped at step \d+ \(SIGTERM\), checkpoint: {saved}", done.output
     )

@@ -16,7 +16,7 @@ stops when --ntasks-per-node differs from the Trainer's `devices`. Its own reque
 off: at SIGUSR1 it saves a checkpoint in the signal handler, wherever each process is,
 and a process held in another collective operation never joins the save. Instead, at
 SIGUSR1 (job.sh asks for it before the time limit) or SIGTERM, StopAtSignal saves at one
-step in every process, as hpc_ckpt_<n>.ckpt, and stops; after SIGUSR1, job.sh requeues
+step in every process, as checkpoint-<n>.ckpt, and stops; after SIGUSR1, job.sh requeues
 the job. Lightning resumes from that file, restarting the epoch's batches (the page says
 what that loses).
 
@@ -207,7 +207,8 @@ def parse_args(argv=None):
     add("--synthetic-classes", type=positive, default=1000)
     add("--num-workers", type=int, help="per process (default: its CPUs, less one)")
     add("--rendezvous-timeout", type=float, default=120, help="seconds for all to join")
-    # Lightning's folder: its hpc_ckpt_<n>.ckpt files at SIGUSR1. job.sh sets it.
+    # StopAtSignal's checkpoints, checkpoint-<n>.ckpt, and Lightning's files. job.sh
+    # sets it.
     add("--checkpoint-dir", type=Path, default=os.environ.get("CHECKPOINT_DIR", "."))
     return parser.parse_args(argv)
 
@@ -299,7 +300,7 @@ def make_trainer(args, place, stopper: "StopAtSignal") -> L.Trainer:
     """Lightning's Trainer, for the processes that srun started: one per GPU."""
     nodes = int(os.environ.get("SLURM_NNODES", "1"))
     # The GPUs the job holds on each node; Lightning stops unless --ntasks-per-node is
-    # the same. On CPUs, a process per task.
+    # the same. Without GPUs, the tasks per node.
     devices = int(os.environ.get("SLURM_GPUS_ON_NODE", place.world_size // nodes))
     # Lightning's Slurm support, for the place from srun's variables; its requeue off
     # (StopAtSignal does it). Named here, so that it holds whatever the job's name
@@ -346,13 +347,16 @@ class StopAtSignal(L.Callback):
         for signum in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(signum, self.note)
 
+    on_validation_start = on_train_start  # for trainer.validate() too
+
     def note(self, signum, frame):
         self.signal = max(self.signal, signum)  # a flag only: no collective here
 
     def checkpoint(self) -> Path | None:
-        """The newest checkpoint, hpc_ckpt_<n>.ckpt by Lightning's naming, if any."""
-        found = self.checkpoint_dir.glob("hpc_ckpt_*.ckpt")
-        return max(found, key=lambda p: int(p.stem.rpartition("_")[2]), default=None)
+        """The newest checkpoint, checkpoint-<n>.ckpt, if any. (Not Lightning's name,
+        hpc_ckpt_<n>.ckpt, which its validate() would load in place of the weights.)"""
+        found = self.checkpoint_dir.glob("checkpoint-*.ckpt")
+        return max(found, key=lambda p: int(p.stem.rpartition("-")[2]), default=None)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         # Whether any process was signalled, and SIGTERM (15) over SIGUSR1 (10): one
@@ -365,21 +369,23 @@ class StopAtSignal(L.Callback):
         # Written whole under another name first, so that a stop during the save
         # loses nothing.
         last = self.checkpoint()
-        number = 1 if last is None else int(last.stem.rpartition("_")[2]) + 1
-        path = self.checkpoint_dir / f"hpc_ckpt_{number}.ckpt"
+        number = 1 if last is None else int(last.stem.rpartition("-")[2]) + 1
+        path = self.checkpoint_dir / f"checkpoint-{number}.ckpt"
         partial = self.checkpoint_dir / "saving.tmp"
         trainer.save_checkpoint(partial)  # rank 0 writes; every process waits
         if trainer.is_global_zero:
             with open(partial, "rb") as written:
                 os.fsync(written.fileno())  # on disk before its name says it is whole
             os.replace(partial, path)
-            for old in self.checkpoint_dir.glob("hpc_ckpt_*.ckpt"):
+            for old in self.checkpoint_dir.glob("checkpoint-*.ckpt"):
                 if old != path:
                     old.unlink()
             if received.item() == signal.SIGUSR1:
                 (self.checkpoint_dir / "requeue").touch()
         name = signal.Signals(int(received.item())).name
         log.info(f"Stopped at step {trainer.global_step} ({name}), checkpoint: {path}")
+        # Lightning validates at any early stop, unless it is off: no time for that.
+        trainer.limit_val_batches = 0
         trainer.should_stop = self.stopped = True
 
 
