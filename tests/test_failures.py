@@ -111,10 +111,15 @@ def find_rank(job_id: str, rank: int) -> int | None:
     return None
 
 
+def checkpoint_dir(lab: Lab, workdir: Path) -> Path:
+    """job.sh's CHECKPOINT_DIR for the run of `workdir`: $SCRATCH/checkpoints/<job
+    name>."""
+    return lab.state / "scratch" / "checkpoints" / run_name(workdir)
+
+
 def checkpoint_of(lab: Lab, workdir: Path) -> dict:
-    """The checkpoint that job.sh's CHECKPOINT_DIR holds:
-    $SCRATCH/checkpoints/<job name>."""
-    return load_checkpoint(lab.state / "scratch" / "checkpoints" / run_name(workdir))
+    """The checkpoint that job.sh's CHECKPOINT_DIR holds."""
+    return load_checkpoint(checkpoint_dir(lab, workdir))
 
 
 # ------------------------------------------------------------
@@ -450,7 +455,7 @@ def test_a_crashed_job_requeues_itself_and_resumes_exactly(lab, tmp_path, exact_
     # The newest on disk: a periodic checkpoint, or the one at an epoch's end if the
     # kill came after it (read from the folder: a kill can come between a save's rename
     # and its log line).
-    folder = lab.state / "scratch" / "checkpoints" / run_name(workdir)
+    folder = checkpoint_dir(lab, workdir)
     newest = int(newest_checkpoint(folder).stem.removeprefix("step-"))
     start_now(lab, job)
     resumed = lab.wait(job, workdir, timeout=300)
@@ -477,7 +482,7 @@ def test_a_job_that_crashes_every_time_stops_at_its_budget(lab, tmp_path):
     ended = lab.wait(job, tmp_path, timeout=FAIL_FAST)
     assert ended.state == "FAILED", ended.output
     assert lab.job_info(job).get("Restarts") == "1"
-    folder = lab.state / "scratch" / "checkpoints" / run_name(tmp_path)
+    folder = checkpoint_dir(lab, tmp_path)
     assert (
         "failure 2 of this job, over CRASH_RESTARTS=1: the job is not requeued. Fix "
         f"the cause, then resubmit: the job resumes from its checkpoint in {folder}"

@@ -5,6 +5,7 @@ SIGTERM it bypasses, at which the example saves; its check of --ntasks-per-node;
 meeting that hangs where Slurm 26.05 runs rank 0 on another node than the first. And,
 for `accelerate launch`, where srun's variables are expanded."""
 
+import math
 import random
 import re
 import subprocess
@@ -24,9 +25,9 @@ from smoke import (
 from test_failures import (
     EPOCH_END,
     FAIL_FAST,
+    checkpoint_dir,
     read,
     restart_when_requeued,
-    run_name,
     submit,
     wait_until,
 )
@@ -50,11 +51,6 @@ RUN = (
     "--model", "resnet18", "--image-size", "32", "--warmup-steps", "10",
     "--log-every", "4", "--epochs", "3", "--batch-size", "4", "--num-workers", "2",
 )  # fmt: skip
-
-
-def checkpoints(lab: Lab, workdir: Path) -> Path:
-    """job.sh's CHECKPOINT_DIR for the run of `workdir`."""
-    return lab.state / "scratch" / "checkpoints" / run_name(workdir)
 
 
 def submit_lightning(lab: Lab, workdir: Path, *args: str, options=ONE_PER_NODE) -> str:
@@ -122,7 +118,7 @@ def test_lightning_requeued_at_sigusr1_resumes_and_repeats_part_of_an_epoch(
     # Every process stopped at one step, rank 0 left the mark, job.sh requeued the
     # job, and Lightning resumed from the checkpoint.
     text = warned.output
-    saved = checkpoints(lab, tmp_path / "warned") / "checkpoint-1.ckpt"
+    saved = checkpoint_dir(lab, tmp_path / "warned") / "checkpoint-1.ckpt"
     [stop] = re.findall(
         rf"Stopped at step (\d+) \(SIGUSR1\), checkpoint: {saved}", text
     )
@@ -136,7 +132,7 @@ def test_lightning_requeued_at_sigusr1_resumes_and_repeats_part_of_an_epoch(
     # were trained on twice, as many at the epoch's end not at all.
     mine, theirs = parse_summaries(text), parse_summaries(uninterrupted.output)
     assert len(mine) == len(theirs) == 2, text
-    assert check_run_numbers(mine) and check_run_numbers(theirs)
+    assert agree(mine) and agree(theirs)
     assert mine[0]["steps"] == theirs[0]["steps"] == STEPS
     assert mine[0]["first_loss"] == theirs[0]["first_loss"]  # kept by the checkpoint
     if stop % STEPS_PER_EPOCH:
@@ -145,14 +141,12 @@ def test_lightning_requeued_at_sigusr1_resumes_and_repeats_part_of_an_epoch(
     print(f"Lightning: stopped at step {stop}, resumed; final {mine[0]} vs {theirs[0]}")
 
 
-def check_run_numbers(summaries: list[dict]) -> bool:
-    """Every rank reports the same numbers, all of them finite."""
+def agree(summaries: list[dict]) -> bool:
+    """Every rank reports the same numbers, and a finite loss."""
     same = [
         {k: v for k, v in s.items() if k not in ("rank", "host")} for s in summaries
     ]
-    return all(s == same[0] for s in same) and all(
-        torch.isfinite(torch.tensor(s["last_loss"])) for s in summaries
-    )
+    return all(s == same[0] for s in same) and math.isfinite(same[0]["last_loss"])
 
 
 ALONE = Path(__file__).resolve().parent / "helpers" / "lightning_alone" / "job.sh"
@@ -184,7 +178,7 @@ def test_at_sigterm_alone_lightning_stops_unsaved_and_the_example_saves(lab, tmp
     assert "trained:" not in stopped.output, stopped.output
     assert not list(folder.glob("hpc_ckpt_*")), stopped.output
     done = lab.wait(example, tmp_path / "example", timeout=FAIL_FAST)
-    saved = checkpoints(lab, tmp_path / "example") / "checkpoint-1.ckpt"
+    saved = checkpoint_dir(lab, tmp_path / "example") / "checkpoint-1.ckpt"
     assert re.search(
         rf"Stopped at step \d+ \(SIGTERM\), checkpoint: {saved}", done.output
     )
