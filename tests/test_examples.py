@@ -269,6 +269,35 @@ def test_a_killed_rank_leaves_no_dataloader_worker_behind(name):
     assert not left, f"still running 15 s after rank 1 was killed: {left}"
 
 
+def test_with_no_dataloader_workers_no_fork_server_starts():
+    # The workers' fork server imports torch: a process of its own, with its memory, for
+    # each rank. With --num-workers 0 (what torchrun's processes get by default on a
+    # node with no more CPUs than processes), there are no workers, and no server.
+    children = {}
+
+    def look(procs, logs):
+        deadline = time.monotonic() + 120
+        while " step 2 |" not in logs[0].read_text():
+            assert time.monotonic() < deadline, logs[0].read_text()
+            time.sleep(0.05)
+        for rank, proc in enumerate(procs):
+            children[rank] = [
+                Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                for pid in descendants(proc.pid)
+                if alive(pid)
+            ]
+
+    name = "generic/checkpointing"
+    launch = dataclasses.replace(EXAMPLES[name], nodes=1, tasks_per_node=2)
+    args = (*launch.args, "--num-workers", "0")
+    run = run_example(name, launch, args, while_running=look, timeout=60)
+    assert run.ok, run.output
+    assert sorted(children) == [0, 1], run.output
+    assert not any("forkserver" in line for c in children.values() for line in c), (
+        children
+    )
+
+
 # What a task started by srun under pyxis has, with an image that sets PYTORCH_VERSION:
 # srun's variables, pyxis's RANK and LOCAL_RANK, copied from them, and WORLD_SIZE from
 # enroot's PyTorch hook (docs/containers.md). Only where they agree are they srun's.

@@ -256,8 +256,9 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
     # The server imports torch once; its workers start at once.
     multiprocessing.set_start_method("forkserver", force=True)
     multiprocessing.set_forkserver_preload(["torch", "torchvision"])
-    start_fork_server()
     workers = get_num_workers() if args.num_workers is None else args.num_workers
+    if workers > 0:  # with none, no server: it would import torch for nothing
+        start_fork_server()
     options = {
         "batch_size": args.batch_size,
         "num_workers": workers,
