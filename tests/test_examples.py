@@ -286,16 +286,17 @@ def test_with_no_dataloader_workers_no_fork_server_starts():
                 for pid in descendants(proc.pid)
                 if alive(pid)
             ]
+            # Still training as it was looked at: no child because it had ended counts
+            # for nothing.
+            assert proc.poll() is None, logs[rank].read_text()
 
     name = "generic/checkpointing"
     launch = dataclasses.replace(EXAMPLES[name], nodes=1, tasks_per_node=2)
-    args = (*launch.args, "--num-workers", "0")
+    args = (*launch.args, "--num-workers", "0", "--max-steps", "20")
     run = run_example(name, launch, args, while_running=look, timeout=60)
     assert run.ok, run.output
-    assert sorted(children) == [0, 1], run.output
-    assert not any("forkserver" in line for c in children.values() for line in c), (
-        children
-    )
+    # Neither a fork server nor the resource tracker it needs: no child at all.
+    assert children == {0: [], 1: []}, children
 
 
 # What a task started by srun under pyxis has, with an image that sets PYTORCH_VERSION:

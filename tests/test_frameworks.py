@@ -178,12 +178,14 @@ def test_at_sigterm_alone_lightning_stops_unsaved_and_the_example_saves(lab, tmp
     wait_until(lambda: EPOCH_END in read(output), 120, "an epoch of training")
     for job in (alone, example):
         subprocess.run(["scancel", "--signal=TERM", job], env=lab.env(), check=True)
-    stopped = lab.wait(alone, folder, timeout=FAIL_FAST)
-    # It ended by itself: lab.wait returns a job still running after FAIL_FAST too.
+    # Room for two of the group's timeouts: a handler may wait in one, then another.
+    stopped = lab.wait(alone, folder, timeout=2 * FAIL_FAST)
+    # It ended by itself: lab.wait returns a job still running after its timeout too.
     assert stopped.state in ("COMPLETED", "FAILED"), stopped.output
-    # Each process's SIGTERM reached Lightning's handler, which logs with its local
-    # rank: 0 on each node.
-    assert stopped.output.count("[rank: 0] Received SIGTERM: 15") >= 2, stopped.output
+    # The SIGTERM reached Lightning's handler, which logs with the local rank: 0 on
+    # each node. (A process blocked in a collective may be killed by srun before its
+    # handler runs, once the other has failed.)
+    assert "[rank: 0] Received SIGTERM: 15" in stopped.output, stopped.output
     assert "trained:" not in stopped.output, stopped.output
     assert not list(folder.glob("hpc_ckpt_*")), stopped.output
     done = lab.wait(example, tmp_path / "example", timeout=FAIL_FAST)
