@@ -234,6 +234,14 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def wait_for_step_2(log: Path):
+    """Waits until rank 0's log shows step 2: the ranks train, workers running."""
+    deadline = time.monotonic() + 120
+    while " step 2 |" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("name", ["generic/multi_gpu", "generic/template"])
 def test_a_killed_rank_leaves_no_dataloader_worker_behind(name):
     # DataLoader workers started from a fork server are the server's children. When a
@@ -243,10 +251,7 @@ def test_a_killed_rank_leaves_no_dataloader_worker_behind(name):
     workers = {}
 
     def kill_rank_1(procs, logs):
-        deadline = time.monotonic() + 120
-        while " step 2 |" not in logs[0].read_text():
-            assert time.monotonic() < deadline, logs[0].read_text()
-            time.sleep(0.05)
+        wait_for_step_2(logs[0])
         workers.update(
             {pid: "below rank 1" for pid in descendants(procs[1].pid) if alive(pid)}
         )
@@ -276,10 +281,7 @@ def test_with_no_dataloader_workers_no_fork_server_starts():
     children = {}
 
     def look(procs, logs):
-        deadline = time.monotonic() + 120
-        while " step 2 |" not in logs[0].read_text():
-            assert time.monotonic() < deadline, logs[0].read_text()
-            time.sleep(0.05)
+        wait_for_step_2(logs[0])
         for rank, proc in enumerate(procs):
             children[rank] = [
                 Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
