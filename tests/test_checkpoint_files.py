@@ -1,18 +1,26 @@
 """A process killed while it writes a checkpoint leaves the
-previous checkpoint loadable.
+previous checkpoint loadable; what a run finds in its folder never makes it start over.
 
 Each checkpointing example's own save function runs in a child process,
 the FSDP2 step's too. The state it saves holds an object whose pickling
 blocks, so that the process is killed half-way through writing the
 file, as a node failure or a SIGKILL at the time limit would.
+
+Then step 4's Checkpoint, in a group of one process in this one: a reader's own
+arguments, checkpoints that do not load, leftovers of killed saves, and which
+checkpoints a save deletes.
 """
 
+import contextlib
+import enum
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from smoke import EXAMPLES_DIR, load_main
 
 PRELUDE = """
@@ -236,3 +244,162 @@ def test_the_rename_is_synced_to_disk(tmp_path, name):
         f"replace {path}",
         f"fsync {tmp_path}",
     ], proc.stdout
+
+
+# ------------------------------------------------------------
+# What a run finds in its checkpoint folder. Step 4's Checkpoint; the Mila step's, the
+# container step's and the template's are the same, byte for byte
+# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_layout.py).
+
+
+@contextlib.contextmanager
+def one_process():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class Run:
+    """What main() hands to step 4's Checkpoint: a small model, its optimizer and
+    schedule; saved at a given step, loaded to learn the step resumed from."""
+
+    def __init__(self, args):
+        self.main = load_main("generic/checkpointing")
+        self.model = torch.nn.Linear(4, 4)
+        self.optimizer = torch.optim.AdamW(self.model.parameters())
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1)
+        self.train_log = self.main.TrainLog(torch.device("cpu"))
+        self.checkpoint = self.main.Checkpoint(args)
+
+    def parts(self):
+        return self.model, self.optimizer, self.scheduler
+
+    def save(self, steps: int):
+        progress = self.main.Progress(steps=steps)
+        self.checkpoint.save(*self.parts(), progress, self.train_log)
+
+    def load(self) -> int:
+        progress = self.main.Progress()
+        self.checkpoint.load(*self.parts(), progress, self.train_log)
+        return progress.steps
+
+
+def step_4_args(folder: Path, *more: str):
+    return load_main("generic/checkpointing").parse_args(
+        ["--checkpoint-dir", str(folder), *more]
+    )
+
+
+def names(folder: Path) -> list[str]:
+    return [p.name for p in load_main("generic/checkpointing").checkpoints(folder)]
+
+
+def cut_in_half(path: Path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+class Size(enum.Enum):
+    SMALL = "small"
+
+
+def test_a_readers_own_arguments_of_any_type_resume(tmp_path):
+    # A reader's section adds its own arguments (the template's add_arguments()): a
+    # Path, an enum, a tuple. The checkpoint records them as plain values, which
+    # torch.load(weights_only=True) loads: recorded as the objects, no checkpoint
+    # loaded, and every requeued start trained again from step 0.
+    args = step_4_args(tmp_path)
+    args.data_file, args.size, args.crop = Path("/data/train.bin"), Size.SMALL, (8, 8)
+    with one_process():
+        Run(args).save(steps=3)
+        assert Run(args).load() == 3
+        # Another value of one is still another run's.
+        args.crop = (4, 4)
+        with pytest.raises(
+            SystemExit, match=r"settings \(--crop \[8, 8\] -> \[4, 4\]\)"
+        ):
+            Run(args).load()
+
+
+def test_checkpoints_none_of_which_loads_stop_the_run(tmp_path):
+    # Every checkpoint damaged, or unreadable (a setting that no longer loads, storage
+    # that fails to read): the run must stop with the folder and the cause, for a
+    # person, not start again from step 0 beside them.
+    args = step_4_args(tmp_path)
+    with one_process():
+        run = Run(args)
+        run.save(steps=4)
+        run.save(steps=8)
+        for name in names(tmp_path):
+            cut_in_half(tmp_path / name)
+        with pytest.raises(SystemExit) as stopped:
+            Run(args).load()
+    assert str(stopped.value).startswith(
+        f"error: none of the 2 checkpoints in {tmp_path} loads; the newest, "
+        "step-00000008.pt: "
+    ), stopped.value
+    assert "A run that resumed would start over" in str(stopped.value)
+    # Left as they were; the mark tells job.sh not to requeue the job.
+    assert names(tmp_path) == ["step-00000004.pt", "step-00000008.pt"]
+    assert (tmp_path / "stopped-on-error").exists()
+
+
+def test_an_unreadable_newest_checkpoint_is_moved_aside_and_leftovers_deleted(
+    tmp_path,
+):
+    # The newest does not load: the run resumes from the one before, and moves it
+    # into unreadable/, or it would stay the newest (job.sh reads the newest name to
+    # tell whether a start saved). A .tmp file of a save that a kill cut short, a
+    # full-size file on a quota'd scratch, is deleted.
+    args = step_4_args(tmp_path)
+    with one_process():
+        run = Run(args)
+        run.save(steps=4)
+        run.save(steps=8)
+        cut_in_half(tmp_path / "step-00000008.pt")
+        (tmp_path / "step-00000012.pt.tmp").write_bytes(b"cut short")
+        assert Run(args).load() == 4
+    assert names(tmp_path) == ["step-00000004.pt"]
+    assert (tmp_path / "unreadable" / "step-00000008.pt").exists()
+    assert not (tmp_path / "step-00000012.pt.tmp").exists()
+
+
+def test_a_save_never_deletes_a_later_checkpoint(tmp_path):
+    # A run that resumed from an older checkpoint than the newest (a node that listed
+    # the folder before the newest showed, on a network file system) saves steps below
+    # it. Keeping the newest by step would delete each new save as it is written.
+    args = step_4_args(tmp_path, "--keep-checkpoints", "1")
+    with one_process():
+        run = Run(args)
+        run.save(steps=10)
+        run.save(steps=4)
+        run.save(steps=6)
+    assert names(tmp_path) == ["step-00000006.pt", "step-00000010.pt"]
+
+
+# The FSDP2 step records its settings and deletes old checkpoints in its own way.
+def test_fsdp2_records_a_readers_own_arguments_as_plain_values(tmp_path):
+    fsdp = load_main("generic/fsdp")
+    args = fsdp.parse_args(["--checkpoint-dir", str(tmp_path)])
+    args.data_file, args.size, args.crop = Path("/data/train.bin"), Size.SMALL, (8, 8)
+    with one_process():
+        settings = fsdp.Checkpoint(args).settings
+    fsdp.save_atomically({"settings": settings}, tmp_path / "progress.pt")
+    loaded = torch.load(tmp_path / "progress.pt", weights_only=True)
+    assert loaded["settings"] == settings
+    assert settings["data_file"] == "/data/train.bin" and settings["crop"] == [8, 8]
+
+
+def test_a_sharded_save_never_deletes_a_later_checkpoint(tmp_path):
+    fsdp = load_main("generic/fsdp")
+    with one_process():
+        group = dist.new_group(backend="gloo")
+        for step in (10, 4, 6):  # the newest 2 kept: 4 and 6 of this run, and 10
+            folder = tmp_path / f"epoch-0000-step-{step:08d}"
+            fsdp.start_checkpoint(folder, {"weights": torch.zeros(10)}, group).result()
+            fsdp.finish_checkpoint(folder, {"step": step}, 2)
+    assert [p.name for p in fsdp.checkpoints(tmp_path)] == [
+        "epoch-0000-step-00000004", "epoch-0000-step-00000006",
+        "epoch-0000-step-00000010",
+    ]  # fmt: skip

@@ -125,6 +125,30 @@ def checkpoint_of(lab: Lab, workdir: Path) -> dict:
 # ------------------------------------------------------------
 # Preemption and requeue
 
+# The test cluster's partitions whose jobs a job of `main` preempts (slurm_lab.py):
+# requeued at once, after a grace time, or cancelled.
+PREEMPTIBLE = ["--partition=preemptible"]
+
+
+def preempt(lab: Lab, job: str, node: str = "cn2") -> str:
+    """Submits a job of the high-priority partition, `main`, that needs more of the
+    node's CPUs than are free: Slurm preempts `job`, which holds them, to start it.
+    Only the preemptible partitions' jobs may go. Returns its job ID."""
+    info = subprocess.run(
+        ["scontrol", "show", "node", "-o", node], env=lab.env(),
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    fields = dict(item.split("=", 1) for item in info.split() if "=" in item)
+    assert job in lab.job_info(job).get("JobId", ""), job
+    needed = int(fields["CPUTot"]) - int(fields["CPUAlloc"]) + 1
+    script = lab.state / "preemptor.sh"
+    script.write_text("#!/bin/bash\nsleep 2\n")
+    return lab.sbatch(
+        script, site="generic", workdir=lab.state,
+        options=["--partition=main", f"--nodelist={node}", "--ntasks=1",
+                 f"--cpus-per-task={needed}"],
+    )  # fmt: skip
+
 
 def restart_when_requeued(lab: Lab, job: str, restarts: int):
     """Waits for the job to be back in the queue, then lets it start at once.
@@ -135,14 +159,14 @@ def restart_when_requeued(lab: Lab, job: str, restarts: int):
     start_now(lab, job)
 
 
-def wait_for_requeue(lab: Lab, job: str, restarts: int):
+def wait_for_requeue(lab: Lab, job: str, restarts: int, timeout: float = FAIL_FAST):
     """Waits until the job is back in the queue, for the `restarts`-th time."""
     wait_until(
         lambda: (
             lab.job_info(job).get("JobState") == "PENDING"
             and lab.job_info(job).get("Restarts") == str(restarts)
         ),
-        FAIL_FAST,
+        timeout,
         f"requeue number {restarts}",
     )
 
@@ -182,13 +206,14 @@ def assert_same_summaries(resumed, uninterrupted, restarts: int) -> list[dict]:
 
 def test_a_preempted_job_resumes_exactly(lab, tmp_path, exact_twin):
     name = "generic/checkpointing"
-    options = EXACT_LAYOUT
+    options = [*EXACT_LAYOUT, *PREEMPTIBLE]
     job = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "preempted", options=options)
     output = tmp_path / "preempted" / f"slurm-{job}.out"
 
-    # What preemption does: SIGTERM to every process of the job, then requeue.
+    # A job of a higher priority needs the nodes: Slurm sends SIGTERM to every process
+    # of this one and requeues it (PreemptMode=REQUEUE, no grace time).
     def requeue():
-        subprocess.run(["scontrol", "requeue", job], env=lab.env(), check=True)
+        preempt(lab, job)
 
     def warn_one_rank():  # one rank noticing must be enough for all of them to stop
         os.kill(wait_until(lambda: find_rank(job, 1), 30, "rank 1"), signal.SIGUSR1)
@@ -246,11 +271,12 @@ def test_a_preempted_mila_job_resumes_exactly(lab, tmp_path):
     )  # fmt: skip
     options = ONE_TASK_PER_NODE
     plain = submit(lab, name, *args, workdir=tmp_path / "plain", options=options)
-    job = submit(lab, name, *args, workdir=tmp_path / "preempted", options=options)
+    job = submit(lab, name, *args, workdir=tmp_path / "preempted",
+                 options=[*options, *PREEMPTIBLE])  # fmt: skip
     output = tmp_path / "preempted" / f"slurm-{job}.out"
     wait_until(lambda: "epoch 0 step 5 |" in read(output), 180, "training")
     time.sleep(random.uniform(0.5, 2.0))
-    subprocess.run(["scontrol", "requeue", job], env=lab.env(), check=True)
+    preempt(lab, job)
     restart_when_requeued(lab, job, 1)
     preempted = lab.wait(job, tmp_path / "preempted", timeout=300)
     uninterrupted = lab.wait(plain, tmp_path / "plain", timeout=300)
@@ -290,8 +316,8 @@ def test_the_template_requeued_resumes_exactly(lab, tmp_path, section):
     # The template submitted from its folder with its own job.sh: with its image
     # section, as it is; with the language model's section in place of it, as a reader
     # makes it (other_model.py), on token files. 2 nodes x 2 tasks, 2 DataLoader workers
-    # each, accumulation. Requeued part-way through training, the job must end
-    # bitwise equal to the same job uninterrupted.
+    # each, accumulation. Preempted part-way through training, and requeued by Slurm,
+    # the job must end bitwise equal to the same job uninterrupted.
     own_args, val_samples = TEMPLATE_RUNS[section]
     folder = EXAMPLES_DIR / "generic" / "template"
     if section == "language_model":
@@ -305,20 +331,20 @@ def test_the_template_requeued_resumes_exactly(lab, tmp_path, section):
         "--log-every", "5", "--num-workers", "2",
     )  # fmt: skip
 
-    def submit_template(workdir: Path) -> str:
+    def submit_template(workdir: Path, *partition: str) -> str:
         workdir.mkdir()
         return lab.sbatch(
             folder / "job.sh", *args, site="generic", workdir=workdir,
-            options=[f"--job-name={run_name(workdir)}", *EXACT_LAYOUT],
+            options=[f"--job-name={run_name(workdir)}", *EXACT_LAYOUT, *partition],
             OMP_NUM_THREADS="1",
         )  # fmt: skip
 
     plain = submit_template(tmp_path / "plain")
-    job = submit_template(tmp_path / "requeued")
+    job = submit_template(tmp_path / "requeued", *PREEMPTIBLE)
     output = tmp_path / "requeued" / f"slurm-{job}.out"
     wait_until(lambda: "epoch 0 step 5 |" in read(output), 180, "training")
     time.sleep(random.uniform(0.1, 1.0))
-    subprocess.run(["scontrol", "requeue", job], env=lab.env(), check=True)
+    preempt(lab, job)
     restart_when_requeued(lab, job, 1)
     requeued = lab.wait(job, tmp_path / "requeued", timeout=300)
     uninterrupted = lab.wait(plain, tmp_path / "plain", timeout=300)

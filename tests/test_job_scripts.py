@@ -82,3 +82,28 @@ def test_the_checkpointing_scripts_end_the_same_way():
         assert 'ulimit -n "$(ulimit -Hn)"' in text, name
         ends[name] = text[text.index(AFTER_A_CRASH) :]
     assert len(set(ends.values())) == 1, "the checkpointing job.sh files end apart"
+
+
+# Every job.sh that resumes from checkpoints, the container step's and the Lightning
+# example's included, asks Slurm's controller again while it does not answer, and keeps
+# a preempted job from ending COMPLETED on Slurm older than 24.05
+# (tests/test_slurm_events.py shows both).
+RESUMING = [*CHECKPOINTING, "generic/container", "launchers/lightning"]
+ASK_SLURM = "\nask_slurm() {\n"
+OLD_SLURM = "${version%%.*} < 24)"
+
+
+def test_every_resuming_script_asks_slurm_again_and_waits_out_a_grace_time():
+    functions = set()
+    for name in RESUMING:
+        text = (EXAMPLES / name / "job.sh").read_text()
+        start = text.index(ASK_SLURM)
+        functions.add(text[start : text.index("\n}\n", start)])
+        calls = re.findall(
+            r'^.*\bscontrol (?:requeue|show job) "\$SLURM_JOB_ID".*$', text, re.M
+        )
+        # But the record at the top, which may fail: the job goes on.
+        record = 'scontrol show job "$SLURM_JOB_ID" || true'
+        assert all("ask_slurm scontrol" in c or c == record for c in calls), calls
+        assert OLD_SLURM in text and "sleep infinity" in text, name
+    assert len(functions) == 1, "the job.sh files ask Slurm again in different ways"

@@ -330,6 +330,42 @@ def test_saves_that_keep_failing_stop_the_job_and_keep_the_checkpoints(tmp_path)
     assert (tmp_path / "stopped-on-error").exists()
 
 
+# Where each example's save blocks, what it logs when the save is done, and the steps
+# of the whole run. FSDP2: rank 1's shard of step 4, which every rank waits for
+# before the next save.
+STALLS = {
+    "generic/checkpointing": (
+        SAVING,
+        "step-00000008",
+        r"Saved \S+/step-00000008\.pt in 1[2-9]\.\d s",
+        24,
+    ),
+    "generic/fsdp": (
+        (*EXAMPLES["generic/fsdp"].args, "--checkpoint-every-steps", "4"),
+        r"step-00000004\.tmp/__1_",
+        r"Saved \S+/epoch-0000-step-00000004 in 1[2-9]\.\d s",
+        16,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", STALLS)
+def test_a_save_that_blocks_longer_than_the_collective_timeout_is_waited_for(
+    tmp_path, name
+):
+    # The ranks wait for a save to be complete. Storage that blocks instead of failing
+    # (a Lustre or hard-mounted NFS server away) may outlast the default group's
+    # timeout: 10 minutes with NCCL, 5 s here (COLLECTIVE_TIMEOUT). A write blocks for
+    # 12 s: the others must wait for it, not fail, and the run goes on to its end.
+    args, stalled, saved, steps = STALLS[name]
+    env = {**FAULTS, "STALL_SAVE": stalled, "STALL_SECONDS": "12",
+           "COLLECTIVE_TIMEOUT": "5", "CHECKPOINT_DIR": str(tmp_path)}  # fmt: skip
+    run = run_example(name, EXAMPLES[name], args, env=env)
+    assert run.ok, run.output
+    assert re.search(saved, unwrapped(run.output)), run.output
+    assert [s["steps"] for s in run.summaries] == [steps, steps], run.output
+
+
 # Every process of a job holds sockets to its peers (gloo's, under
 # TORCH_GLOO_LAZY_INIT=1, only to those it exchanges data with) and to the rendezvous.
 SIXTEEN = dataclasses.replace(

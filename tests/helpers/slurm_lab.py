@@ -118,6 +118,12 @@ FROM_SID = {"forky": ["apptainer"]}
 # The container example's image, in $SCRATCH (its job.sh's default).
 IMAGE = "images/pytorch-25.12.sif"
 
+# The partitions whose jobs a job of `main` preempts, and how.
+PREEMPTIBLE = {
+    "preemptible": "PreemptMode=REQUEUE",
+    "graced": "PreemptMode=REQUEUE GraceTime=20",
+    "cancelled": "PreemptMode=CANCEL",
+}
 # Folders that the sites' job scripts read, each shown to the
 # nodes by a bind mount inside their mount namespace: mount
 # point -> source (relative sources are in the cluster's state).
@@ -157,6 +163,7 @@ class Lab:
     version: str = DEFAULT_VERSION
     state: Path = STATE
     procs: list[subprocess.Popen] = field(default_factory=list)
+    _node_scripts: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.version not in VERSIONS:
@@ -285,6 +292,11 @@ class Lab:
         for i in range(8):
             os.mknod(s / "gpus" / f"nvidia{i}", 0o666 | 0o020000, os.makedev(1, 3))
         host = socket.gethostname()
+        preemptible = "\n".join(
+            f"PartitionName={name} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 "
+            + settings
+            for name, settings in PREEMPTIBLE.items()
+        )
         node_lines = "\n".join(
             f"NodeName={name} NodeAddr={addr} CPUs=32 RealMemory=256000 "
             "Gres=gpu:rtx8000:4,gpu:a100:4 Feature=rtx8000,a100 State=UNKNOWN"
@@ -324,9 +336,18 @@ MinJobAge=3600
 SchedulerParameters=batch_sched_delay=0
 EnforcePartLimits=ALL
 KillWait=30
+# A node that stops answering is DOWN within about a minute (300 s by default): the
+# tests of a lost node wait for Slurm to notice.
+SlurmdTimeout=30
 TaskProlog={SITES / "task_prolog.sh"}
 {node_lines}
-PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# Preemption, as clusters with partitions of two priorities have it: a job of `main`
+# preempts jobs of the others, which requeue it at once, after a grace time of 20 s, or
+# cancel it (tests/test_slurm_events.py). No job of `main` is ever preempted.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=2
+{preemptible}
 """
         )
         # The network, as most clusters with a fast one describe it: a leaf switch per
@@ -445,7 +466,7 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             # from here and every lookup would stall for 10 s before falling back to
             # /etc/hosts.
             own_disk = shlex.quote(str(self.state / "nodes" / name / "local-disk"))
-            script = "; ".join(
+            self._node_scripts[name] = "; ".join(
                 [
                     "set -e",
                     f"hostname {name}",
@@ -456,18 +477,46 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                     f"exec slurmd -D -N {name} -f {self.conf}",
                 ]
             )
-            cmd = [
-                "nsenter",
-                f"--net=/run/netns/ddplab-{name}",
-                "unshare",
-                "--uts",
-                "--mount",
-            ]
+            self.start_node(name)
+
+    def start_node(self, name: str) -> None:
+        """Starts the node's slurmd, in the node's namespaces: at `up`, or after
+        `crash_node`, as a node that boots again."""
+        cmd = ["nsenter", f"--net=/run/netns/ddplab-{name}", "unshare", "--uts",
+               "--mount"]  # fmt: skip
+        with open(self.state / "log" / "daemons.out", "ab") as log:
             self.procs.append(
                 subprocess.Popen(
-                    [*cmd, "sh", "-c", script], env=env, stdout=log, stderr=log
-                )
+                    [*cmd, "sh", "-c", self._node_scripts[name]],
+                    env=self.env(),
+                    stdout=log,
+                    stderr=log,
+                )  # fmt: skip
             )
+
+    @contextlib.contextmanager
+    def controller_away(self):
+        """slurmctld stopped for the block: it keeps its port and answers nothing, as a
+        controller does while it hangs or restarts. Each client call waits for its
+        MessageTimeout, then fails."""
+        pid = int((self.state / "slurmctld.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    def crash_node(self, name: str) -> None:
+        """Ends every process of the node at once, slurmd and the jobs' processes
+        alike, as a node that fails does: nothing is told, and slurmctld hears no more
+        from it."""
+        pids = subprocess.run(
+            ["ip", "netns", "pids", f"ddplab-{name}"], capture_output=True, text=True
+        ).stdout.split()
+        subprocess.run(["kill", "-9", *pids], capture_output=True)
+        for proc in self.procs:
+            if str(proc.pid) in pids:
+                proc.wait()
 
     # ------------------------------------------------------------
     # The root of a version that is not the host's
@@ -646,6 +695,7 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
                 "TIMEOUT",
                 "NODE_FAIL",
                 "OUT_OF_MEMORY",
+                "PREEMPTED",
             }:
                 break
             time.sleep(0.2)

@@ -603,11 +603,18 @@ class Checkpoint:
         self.root = args.checkpoint_dir
         self.keep = args.keep_checkpoints
         self.every_steps = args.checkpoint_every_steps
-        self.settings = {
+        settings = {
             name: value
             for name, value in sorted(vars(args).items())
             if name not in MAY_CHANGE_ON_RESUME
         }
+        # As plain values (a Path as its text, a tuple as a list): torch.load with
+        # weights_only=True, which load() uses, refuses other objects.
+        self.settings = json.loads(json.dumps(settings, default=str))
+        # The other ranks wait in this group while rank 0 writes, as long as the storage
+        # takes: a file system that blocks (Lustre, NFS) may outlast the default group's
+        # timeout (10 minutes with NCCL), which would end every rank.
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
         self.max_failures, self.failures = args.max_failed_saves, 0
 
     def due(self, steps: int) -> bool:
@@ -641,9 +648,10 @@ class Checkpoint:
                 error = f"{path}: {failure}"
                 log.warning(f"Could not save {error}")
             else:
-                # Only now, with the new one on disk, the oldest go. One that cannot be
-                # deleted (in use over NFS, say) stays, and the next save tries again.
-                for older in checkpoints(self.root)[: -self.keep]:
+                # Only now, with the new one on disk, the oldest go, never a later one.
+                # One that cannot be deleted (in use over NFS, say) stays, and the next
+                # save tries again.
+                for older in checkpoints(self.root, progress.steps)[: -self.keep]:
                     try:
                         older.unlink()
                     except OSError as failure:
@@ -651,7 +659,7 @@ class Checkpoint:
                 log.info(f"Saved {path} in {time.perf_counter() - begin:.1f} s")
         # No rank goes on, or exits, before the file is complete, or has failed.
         outcome = [error]
-        dist.broadcast_object_list(outcome, src=0)
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
         self.failed(outcome[0])
 
     def failed(self, error: str | None):
@@ -673,7 +681,9 @@ class Checkpoint:
         # differently for a while.
         chosen = [readable_checkpoint(self.root) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
-        if (path := chosen[0]) is None:
+        if isinstance(path := chosen[0], str):  # checkpoints, none of which loads
+            stop_for_good(self.root, path)
+        if path is None:
             return
         begin = time.perf_counter()
         # weights_only: tensors and containers, no code run. mmap: tensors are read
@@ -725,22 +735,42 @@ class Checkpoint:
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
 
 
-def checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoints in `root`, oldest first."""
-    found = [p for p in root.glob("step-*.pt") if CHECKPOINT_NAME.fullmatch(p.name)]
-    return sorted(found, key=lambda p: int(CHECKPOINT_NAME.fullmatch(p.name)[1]))
+def checkpoints(root: Path, last_step: float = math.inf) -> list[Path]:
+    """The complete checkpoints in `root`, up to step `last_step`, oldest first."""
+    steps = {p: int(m[1]) for p in root.glob("step-*.pt")
+             if (m := CHECKPOINT_NAME.fullmatch(p.name))}  # fmt: skip
+    return sorted((p for p in steps if steps[p] <= last_step), key=steps.get)
 
 
-def readable_checkpoint(root: Path) -> Path | None:
-    """The newest checkpoint in `root` that loads, or None. One that does not (damaged
-    on disk, say) is passed over with a warning, for the one before it."""
+def readable_checkpoint(root: Path) -> Path | str | None:
+    """The newest checkpoint in `root` that loads, or None if there is none. If there
+    are some and none loads, the error instead, for a person: starting over would lose
+    them. One that does not load (damaged, or unreadable a while) is moved into
+    unreadable/, with a warning, for the one before it: left, it would stay the newest.
+    Files of saves that a kill cut short (.tmp) are deleted."""
+    for leftover in root.glob("step-*.pt.tmp"):
+        log.warning(f"Deleting {leftover}, left by a save that did not end")
+        leftover.unlink(missing_ok=True)
+    errors = {}
     for path in reversed(checkpoints(root)):
         try:  # with mmap, a check of the file's index, not a read of all of it
             torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            return path
         except Exception as error:  # a damaged file can raise one of several errors
-            log.warning(f"Passing over {path}, which does not load: {error}")
-    return None
+            errors[path] = error
+            continue
+        for newer, error in errors.items():
+            (aside := root / "unreadable" / newer.name).parent.mkdir(exist_ok=True)
+            log.warning(f"Moving {newer} to {aside}: it does not load ({error})")
+            newer.rename(aside)
+        return path
+    if not errors:
+        return None
+    newest, error = next(iter(errors.items()))
+    return (
+        f"error: none of the {len(errors)} checkpoints in {root} loads; the newest, "
+        f"{newest.name}: {error}\nA run that resumed would start over. Fix the cause, "
+        "or move the folder away to start a new run."
+    )
 
 
 def save_atomically(state: dict, path: Path):
@@ -781,10 +811,16 @@ def requeue(max_restarts: int, folder: Path):
         (folder / "requeue").touch()
         return
     log.info(f"Requeueing job {job_id}")
-    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
-    result = subprocess.run(["scontrol", "requeue", job_id])
-    # The requeue ends every process of the job, scontrol included: SIGTERM is success.
-    if result.returncode not in (0, -signal.SIGTERM):
+    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue. Slurm's
+    # controller may not answer for a while (a restart): try again, for 90 s of the
+    # two minutes' warning. The requeue ends every process of the job, scontrol
+    # included: SIGTERM is success.
+    deadline = time.monotonic() + 90
+    while (code := subprocess.run(["scontrol", "requeue", job_id]).returncode) not in (
+        0, -signal.SIGTERM
+    ) and time.monotonic() < deadline:  # fmt: skip
+        time.sleep(5)
+    if code not in (0, -signal.SIGTERM):
         stop_for_good(
             folder,
             f"error: `scontrol requeue {job_id}` failed, so the job will not start "

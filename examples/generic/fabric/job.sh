@@ -24,7 +24,8 @@ set -e
 source "$HOME/venvs/ddp/bin/activate"
 
 # The resources Slurm granted, at the top of the output, for when something looks wrong.
-scontrol show job "$SLURM_JOB_ID"
+# Only a record: if the controller does not answer (a restart, say), the job goes on.
+scontrol show job "$SLURM_JOB_ID" || true
 # NCCL_DEBUG=INFO logs the network and GPU links NCCL picks at start: the check's
 # second result. (The training examples keep WARN: INFO on every run fills the output.)
 # PYTHONFAULTHANDLER=1 prints each thread's Python stack when a process dies of a fatal

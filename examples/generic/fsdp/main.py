@@ -1016,14 +1016,19 @@ class Checkpoint:
         self.root = args.checkpoint_dir
         self.keep = args.keep_checkpoints
         self.every_steps = args.checkpoint_every_steps
-        self.settings = {
+        settings = {
             name: value
             for name, value in sorted(vars(args).items())
             if name not in MAY_CHANGE_ON_RESUME
         }
+        # As plain values (a Path as its text, a tuple as a list): torch.load with
+        # weights_only=True, which load() uses, refuses other objects.
+        self.settings = json.loads(json.dumps(settings, default=str))
         # The background saves' own group: their collectives run in a thread, on CPU
-        # tensors, and must not mix with training's.
-        self.group = dist.new_group(backend="gloo")
+        # tensors, and must not mix with training's. Its ranks wait in it as long as the
+        # storage takes: a file system that blocks (Lustre, NFS) may outlast the default
+        # group's timeout (10 minutes with NCCL), which would end every rank.
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
         self.under_way = None  # the background save: its future, and rank 0's thread
         self.error = None  # what failed in that thread
         self.max_failures, self.failures = args.max_failed_saves, 0
@@ -1179,12 +1184,15 @@ CHECKPOINT_NAME = re.compile(r"epoch-(\d+)-step-(\d+)")
 UNFINISHED_NAME = re.compile(r"epoch-\d+-step-\d+\.tmp")
 
 
-def checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoints in `root`, oldest first."""
+def checkpoints(root: Path, last: Path | None = None) -> list[Path]:
+    """The complete checkpoints in `root`, up to `last` if given, oldest first."""
+
+    def order(path: Path) -> list[int]:
+        return [int(n) for n in CHECKPOINT_NAME.fullmatch(path.name).groups()]
+
     found = [p for p in root.glob("epoch-*") if CHECKPOINT_NAME.fullmatch(p.name)]
     return sorted(
-        found,
-        key=lambda p: [int(n) for n in CHECKPOINT_NAME.fullmatch(p.name).groups()],
+        (p for p in found if last is None or order(p) <= order(last)), key=order
     )
 
 
@@ -1248,7 +1256,7 @@ def finish_checkpoint(path: Path, state: dict, keep: int):
         os.close(folder)
     if damaged is not None:
         shutil.rmtree(damaged, ignore_errors=True)
-    for older in checkpoints(path.parent)[:-keep]:
+    for older in checkpoints(path.parent, last=path)[:-keep]:  # never a later one
         # Renamed first: a kill during the deletion leaves a leftover, not a checkpoint
         # that looks complete and is not. One that cannot be deleted (in use over NFS,
         # say) stays, and the next save tries again.
@@ -1320,10 +1328,16 @@ def requeue(max_restarts: int, folder: Path):
         (folder / "requeue").touch()
         return
     log.info(f"Requeueing job {job_id}")
-    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue.
-    result = subprocess.run(["scontrol", "requeue", job_id])
-    # The requeue ends every process of the job, scontrol included: SIGTERM is success.
-    if result.returncode not in (0, -signal.SIGTERM):
+    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue. Slurm's
+    # controller may not answer for a while (a restart): try again, for 90 s of the
+    # two minutes' warning. The requeue ends every process of the job, scontrol
+    # included: SIGTERM is success.
+    deadline = time.monotonic() + 90
+    while (code := subprocess.run(["scontrol", "requeue", job_id]).returncode) not in (
+        0, -signal.SIGTERM
+    ) and time.monotonic() < deadline:  # fmt: skip
+        time.sleep(5)
+    if code not in (0, -signal.SIGTERM):
         stop_for_good(
             folder,
             f"error: `scontrol requeue {job_id}` failed, so the job will not start "

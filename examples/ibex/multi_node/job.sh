@@ -13,7 +13,8 @@
 set -e
 
 # The resources Slurm granted, at the top of the output, for when something looks wrong.
-scontrol show job "$SLURM_JOB_ID"
+# Only a record: if the controller does not answer (a restart, say), the job goes on.
+scontrol show job "$SLURM_JOB_ID" || true
 
 # --- Ibex: software environment and data ----------------------------------------------
 # A conda environment in your own folder; create it once, on a login node:

@@ -27,7 +27,8 @@ source "$HOME/venvs/ddp/bin/activate"
 export DATA_DIR=$SCRATCH/data/imagenet
 
 # The resources Slurm granted, at the top of the output, for when something looks wrong.
-scontrol show job "$SLURM_JOB_ID"
+# Only a record: if the controller does not answer (a restart, say), the job goes on.
+scontrol show job "$SLURM_JOB_ID" || true
 # NCCL_DEBUG=WARN logs NCCL's warnings and errors only; INFO logs the network and GPU
 # links it picks at start, to debug a slow or hanging job. PYTHONFAULTHANDLER=1 prints
 # each thread's Python stack when a process dies of a fatal signal, such as the abort

@@ -46,7 +46,8 @@ if ! mkdir -p "$CHECKPOINT_DIR" || [[ ! -w $CHECKPOINT_DIR ]]; then
 fi
 
 # The resources Slurm granted, at the top of the output, for when something looks wrong.
-scontrol show job "$SLURM_JOB_ID"
+# Only a record: if the controller does not answer (a restart, say), the job goes on.
+scontrol show job "$SLURM_JOB_ID" || true
 # NCCL_DEBUG=WARN logs NCCL's warnings and errors only; INFO logs the network and GPU
 # links it picks at start, to debug a slow or hanging job. PYTHONFAULTHANDLER=1 prints
 # each thread's Python stack when a process dies of a fatal signal, such as the abort
@@ -68,6 +69,17 @@ export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 
 # main.py leaves this mark after SIGUSR1, once it has saved its checkpoint and stopped.
 rm -f "$CHECKPOINT_DIR/requeue"
+# Slurm's controller may not answer for a while (a restart, a failover): each call to it
+# below tries again every 20 s, for about 3 minutes, before it fails.
+ask_slurm() {
+    local try
+    for try in 1 2 3 4 5; do
+        "$@" && return 0
+        echo "$1 $2 failed (try $try of 6): trying again in 20 s" >&2
+        sleep 20
+    done
+    "$@"
+}
 
 # srun starts one task per GPU on every node, each a process of the group. Lightning
 # reads each task's place from srun's variables, and checks --ntasks-per-node against
@@ -89,8 +101,18 @@ srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --gpu-bind=none
 if [[ -e $CHECKPOINT_DIR/requeue ]]; then
     # Slurm ends this script within seconds as it requeues the job: the sleep keeps it
     # from going on meanwhile.
-    scontrol requeue "$SLURM_JOB_ID" && sleep 600
+    ask_slurm scontrol requeue "$SLURM_JOB_ID" && sleep 600
     echo "error: scontrol requeue failed: resubmit job.sh to resume" >&2
     exit 1
+fi
+# Preempted with a grace time (the partition's GraceTime): main.py saved and stopped.
+# Slurm 24.05 and later requeue the job once this script ends. 22.05 to 23.11 would
+# end it COMPLETED, unfinished: wait for the grace time to end, when Slurm requeues
+# the job (or cancels it, as its PreemptMode says).
+version=$(scontrol --version)  # "slurm 23.11.4"; Debian's: "slurm-wlm 23.11.4"
+version=${version##* }
+if ((status == 0 && ${version%%.*} < 24)) &&
+    [[ $(ask_slurm scontrol show job "$SLURM_JOB_ID") == *" PreemptTime="[0-9]* ]]; then
+    sleep infinity
 fi
 exit "$status"

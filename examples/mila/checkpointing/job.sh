@@ -85,6 +85,17 @@ newest_checkpoint() {
         sort | tail -n 1
 }
 before=$(newest_checkpoint)
+# Slurm's controller may not answer for a while (a restart, a failover): each call to it
+# below tries again every 20 s, for about 3 minutes, before it fails.
+ask_slurm() {
+    local try
+    for try in 1 2 3 4 5; do
+        "$@" && return 0
+        echo "$1 $2 failed (try $try of 6): trying again in 20 s" >&2
+        sleep 20
+    done
+    "$@"
+}
 # main.py leaves these marks: when it stops on an error that a person must act on; when
 # it finds no scontrol to requeue the job with (in a container, say).
 rm -f "$CHECKPOINT_DIR/stopped-on-error" "$CHECKPOINT_DIR/requeue"
@@ -93,11 +104,23 @@ srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py 
     status=$?
 # After SIGUSR1, main.py asks for a requeue that it could not make itself.
 if [[ $status == 0 && -e $CHECKPOINT_DIR/requeue ]]; then
-    scontrol requeue "$SLURM_JOB_ID" && sleep 600
+    ask_slurm scontrol requeue "$SLURM_JOB_ID" && sleep 600
     echo "error: scontrol requeue failed: resubmit job.sh to resume" >&2
     exit 1
 fi
-((status == 0)) && exit 0
+if ((status == 0)); then
+    # Preempted with a grace time (the partition's GraceTime): main.py saved and stopped.
+    # Slurm 24.05 and later requeue the job once this script ends. 22.05 to 23.11 would
+    # end it COMPLETED, unfinished: wait for the grace time to end, when Slurm requeues
+    # the job (or cancels it, as its PreemptMode says).
+    version=$(scontrol --version)  # "slurm 23.11.4"; Debian's: "slurm-wlm 23.11.4"
+    version=${version##* }
+    if ((${version%%.*} < 24)) &&
+        [[ $(ask_slurm scontrol show job "$SLURM_JOB_ID") == *" PreemptTime="[0-9]* ]]; then
+        sleep infinity
+    fi
+    exit 0
+fi
 
 # --- srun failed: a task crashed, or stopped on an error ------------------------------
 # A process killed for want of memory, a GPU error, an NCCL timeout: requeue the job to
@@ -122,7 +145,7 @@ else
         "checkpoint (failure $crashes of the $max allowed)" >&2
     # Slurm ends this script within seconds as it requeues the job: the sleep keeps it
     # from going on meanwhile.
-    scontrol requeue "$SLURM_JOB_ID" && sleep 600
+    ask_slurm scontrol requeue "$SLURM_JOB_ID" && sleep 600
     why="scontrol requeue failed"
 fi
 echo "error: srun exited with status $status, $why: the job is not requeued. Fix the" \
