@@ -48,6 +48,19 @@ def stops(output: str) -> list[int]:
     return [int(step) for step in re.findall(STOPPED, output)]
 
 
+def run_to_the_end(lab, job: str, workdir: Path, timeout: float = 600):
+    """Lets the job start at once each time it is requeued, until it ends; returns
+    it, and the number of times it was requeued."""
+    deadline, restarts = time.monotonic() + timeout, 0
+    while (info := lab.job_info(job)).get("JobState") in ("RUNNING", "PENDING", ""):
+        assert time.monotonic() < deadline, f"job {job} still {info.get('JobState')}"
+        if info.get("JobState") == "PENDING" and int(info["Restarts"]) > restarts:
+            restarts = int(info["Restarts"])
+            start_now(lab, job)
+        time.sleep(0.5)
+    return lab.wait(job, workdir, timeout=60), restarts
+
+
 def wait_for_nodes(lab, state: str = "idle", timeout: float = 120):
     """Waits until every node of the cluster is `state` (or more busy: mixed)."""
 
@@ -120,7 +133,7 @@ def test_a_save_that_preemption_cuts_short_resumes_from_the_one_before(
     )  # fmt: skip
     output = workdir / f"slurm-{job}.out"
     folder = checkpoint_dir(lab, workdir)
-    wait_until(lambda: EPOCH_END in read(output), 180, "an epoch of training")
+    wait_until(lambda: "Saved" in read(output), 180, "a save")
     stall.touch()
     preempt(lab, job)
     wait_for_requeue(lab, job, restarts=1, timeout=120)
@@ -195,17 +208,7 @@ def test_a_job_warned_by_its_time_limit_requeues_itself_and_resumes_exactly(
     wait_until(lambda: "epoch 0 step 4 |" in read(output), 120, "training")
     plain = submit(lab, NAME, *LONG_EXACT_RUN, workdir=tmp_path / "plain",
                    options=ONE_TASK_PER_NODE)  # fmt: skip
-    restarts = 0
-    while lab.job_info(job).get("JobState") not in ("COMPLETED", "FAILED", "TIMEOUT"):
-        info = lab.job_info(job)
-        if info.get("JobState") == "PENDING" and info.get("Restarts") == str(
-            restarts + 1
-        ):
-            restarts += 1
-            start_now(lab, job)
-        assert restarts <= 6, read(output)
-        time.sleep(0.5)
-    limited = lab.wait(job, workdir, timeout=60)
+    limited, restarts = run_to_the_end(lab, job, workdir)
     uninterrupted = lab.wait(plain, tmp_path / "plain", timeout=300)
     assert limited.ok, limited.output
     assert uninterrupted.ok, uninterrupted.output
@@ -248,17 +251,40 @@ def test_a_job_on_a_lost_node_is_requeued_by_slurm_and_resumes_exactly(
     newest = newest_checkpoint(checkpoint_dir(lab, workdir)).name
     lab.start_node("cn2")
     wait_for_nodes(lab)
-    start_now(lab, job)
-    resumed = lab.wait(job, workdir, timeout=300)
+    # The next start may get SIGTERM on cn2 alone, from a kill that slurmctld kept
+    # for the lost node (seen once in 5 runs): main.py saves, and requeues the job.
+    resumed, restarts = run_to_the_end(lab, job, workdir)
     assert resumed.ok, resumed.output
     text = unwrapped(resumed.output)
     assert re.search(rf"JOB {job} ON cn1 CANCELLED AT \S+ DUE TO NODE FAILURE", text)
-    assert "Stopped at step" not in text, text
     step = int(newest.removeprefix("step-").removesuffix(".pt"))
-    assert re.findall(RESUMED, text) == [str(step)], text
+    assert re.findall(RESUMED, text)[0] == str(step), text
+    assert len(re.findall(RESUMED, text)) == restarts, text
     assert_bitwise_equal(checkpoint_of(lab, workdir), checkpoint_of(lab, plain))
-    assert_same_summaries(resumed, uninterrupted, restarts=1)
-    print(f"cn2 lost: requeued by Slurm {requeued:.0f} s later, resumed at step {step}")
+    assert_same_summaries(resumed, uninterrupted, restarts=restarts)
+    print(
+        f"cn2 lost: requeued by Slurm {requeued:.0f} s later, resumed at step {step}, "
+        f"{restarts} start(s) after the first"
+    )
+
+
+def test_a_sigterm_to_the_tasks_alone_requeues_the_job(lab, tmp_path):
+    # SIGTERM reaches the tasks while Slurm goes on running the job: a kill that
+    # slurmctld kept for a lost node and delivered once it came back, to the job's
+    # next start (seen in the test above), or `scancel --signal=TERM`, made here.
+    # main.py saves and stops as at any SIGTERM; left there, the job would end
+    # COMPLETED, unfinished. Rank 0 sees that the job still runs, and requeues it.
+    job = submit(lab, NAME, *EXACT_RUN, workdir=tmp_path, options=ONE_TASK_PER_NODE)
+    output = tmp_path / f"slurm-{job}.out"
+    wait_until(lambda: "epoch 0 step 4 |" in read(output), 180, "training")
+    subprocess.run(["scancel", "--signal=TERM", job], env=lab.env(), check=True)
+    restart_when_requeued(lab, job, restarts=1)
+    wait_until(lambda: "Resumed from" in read(output), 120, "the second start")
+    subprocess.run(["scancel", job], env=lab.env(), check=True)
+    text = unwrapped(read(output))
+    step = re.findall(r"\[0/2\] Stopped at step (\d+), checkpoint saved", text)
+    assert len(step) == 1 and "Requeueing job" in text, text
+    assert re.findall(RESUMED, text) == step, text
 
 
 # ------------------------------------------------------------

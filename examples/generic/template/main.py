@@ -202,10 +202,10 @@ def main():
     if stopped_by:
         saved = "checkpoint saved" if checkpoint.failures == 0 else "save failed"
         log.warning(f"Stopped at step {progress.steps}, {saved}")
-        # SIGUSR1 warns of the time limit: requeue. After SIGTERM, Slurm is ending the
-        # job already, and requeues it if it preempted it.
-        if stopped_by == signal.SIGUSR1 and place.rank == 0:
-            requeue(args.max_restarts, args.checkpoint_dir)
+        # SIGUSR1 warns of the time limit: requeue. SIGTERM comes as Slurm ends the
+        # job (and requeues it, if it preempts it), but not always: see requeue().
+        if place.rank == 0:
+            requeue(stopped_by, args.max_restarts, args.checkpoint_dir)
         return
     # One plain line per process to grep from the job's output: the numbers agree.
     summary = {
@@ -976,10 +976,17 @@ def save_atomically(state: dict, path: Path):
     os.close(folder)
 
 
-def requeue(max_restarts: int, folder: Path):
-    """Puts this job back in the queue: Slurm ends it now and starts it again later.
-    Not after `max_restarts`: a job that cannot finish would loop for good."""
-    job_id = os.environ["SLURM_JOB_ID"]
+def requeue(stopped_by: int, max_restarts: int, folder: Path):
+    """Puts this job back in the queue after a stop: Slurm ends it now and starts it
+    again later. After SIGUSR1, the warning of the time limit, always. After SIGTERM,
+    only if Slurm is not ending the job: SIGTERM comes with a preemption (which Slurm
+    requeues), a time limit or `scancel`, but also to the tasks alone (a stale kill of
+    a lost node's, `scancel --signal=TERM`), and then the job would end COMPLETED,
+    unfinished. Not after `max_restarts`: a job that cannot finish would loop for good.
+    """
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if job_id is None or stopped_by == signal.SIGTERM and slurm_ends(job_id):
+        return  # not a Slurm job, or one that Slurm ends
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
     if restarts >= max_restarts:
@@ -1008,6 +1015,17 @@ def requeue(max_restarts: int, folder: Path):
             f"error: `scontrol requeue {job_id}` failed, so the job will not start "
             f"again by itself. {resubmit}",
         )
+
+
+def slurm_ends(job_id: str) -> bool:
+    """Whether Slurm is ending the job: no longer running (cancelled, timed out,
+    requeued), or preempted, in its grace time. Where no scontrol answers (in a
+    container), it cannot tell: yes."""
+    if shutil.which("scontrol") is None:
+        return True
+    show = ["scontrol", "show", "job", "--oneliner", job_id]
+    job = subprocess.run(show, capture_output=True, text=True).stdout
+    return " JobState=RUNNING " not in job or " PreemptTime=None " not in job
 
 
 def stop_for_good(folder: Path, message: str):
