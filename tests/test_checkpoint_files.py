@@ -13,6 +13,7 @@ checkpoints a save deletes.
 
 import contextlib
 import enum
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from page_text import page_command
 from smoke import EXAMPLES_DIR, load_main
 
 PRELUDE = """
@@ -403,3 +405,45 @@ def test_a_sharded_save_never_deletes_a_later_checkpoint(tmp_path):
         "epoch-0000-step-00000004", "epoch-0000-step-00000006",
         "epoch-0000-step-00000010",
     ]  # fmt: skip
+
+
+def test_a_resumed_run_says_which_arguments_changed(tmp_path, caplog):
+    # The arguments that may change on resume (MAY_CHANGE_ON_RESUME) are recorded too,
+    # and each change is logged. In the template, --bf16 is one: it follows the GPU,
+    # and a requeued job may start on GPUs of another kind, without bf16.
+    args = step_4_args(tmp_path, "--num-workers", "2")
+    with one_process():
+        Run(args).save(steps=3)
+        args.num_workers = 4
+        with caplog.at_level("INFO"):
+            assert Run(args).load() == 3
+    assert "Changed since step-00000003.pt: --num-workers 2 -> 4" in caplog.text
+    template = load_main("generic/template")
+    assert "bf16" in template.MAY_CHANGE_ON_RESUME
+
+
+def test_the_pages_comparison_of_two_checkpoints_tells_equal_from_different(tmp_path):
+    # The generic page's one line that compares a resumed run's checkpoint with an
+    # uninterrupted one's: equal checkpoints print "equal"; one weight apart, it fails.
+    command = page_command("clusters/generic.md", "python -c 'import sys, torch;")
+    program = shlex.split(command)[:3]
+    with one_process():
+        for run in ("a", "b", "c"):
+            torch.manual_seed(0)
+            Run(step_4_args(tmp_path / run)).save(steps=5)
+    changed = torch.load(tmp_path / "c" / "step-00000005.pt", weights_only=True)
+    changed["model"]["bias"][0] += 1
+    torch.save(changed, tmp_path / "c" / "step-00000005.pt")
+
+    def compare(x: str, y: str) -> subprocess.CompletedProcess:
+        files = [str(tmp_path / r / "step-00000005.pt") for r in (x, y)]
+        return subprocess.run(
+            [sys.executable, *program[1:], *files], capture_output=True, text=True
+        )
+
+    same = compare("a", "b")
+    assert same.returncode == 0 and same.stdout == "equal\n", same.stderr
+    different = compare("a", "c")
+    assert different.returncode == 1 and "Tensor-likes are not equal" in (
+        different.stderr
+    ), different.stderr

@@ -8,6 +8,7 @@ instead of hanging until its time limit.
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -750,27 +751,47 @@ def test_the_template_without_its_dataset_archive_stops_before_srun(lab, tmp_pat
     assert len(parse_summaries(tried.output)) == 2, tried.output
 
 
-def test_the_template_stops_before_unpacking_into_too_small_a_disk(lab, tmp_path):
-    # An archive larger than the nodes' free space (a sparse file of 4 TiB, which takes
-    # no room): each node checks its own disk, and the job stops before tar fills it.
+# An archive larger than the nodes' free space (a sparse file, which takes no room):
+# each node checks its own disk, and the job stops before tar fills it. And one that
+# fits a folder in memory (tmpfs; the site's $SLURM_TMPDIR in /dev/shm), but would take
+# more than half the memory the job asked for: the memory, not the folder's size, is
+# what the dataset takes there.
+TOO_LARGE = {
+    "disk": (
+        4 << 40, "generic", [],
+        r"error: {node}: \S+/imagenet has \d+ GiB free, and the dataset needs 4300 "
+        r"GiB: set local_disk in job.sh to a larger disk",
+    ),
+    "memory": (
+        6 << 30, "tmpfs_local_disk", ["--mem=8G"],
+        r"error: {node}: /dev/shm/\S+/imagenet is in memory \(tmpfs\): the dataset "
+        r"needs 6 GiB of the 8 GiB the job asked for per node, more than half",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", TOO_LARGE)
+def test_the_template_stops_before_unpacking_a_dataset_that_does_not_fit(
+    lab, tmp_path, where
+):
+    size, site, options, message = TOO_LARGE[where]
     name = "generic/template"
     archive = lab.state / "scratch" / "data" / "imagenet.tar"
     hidden = archive.with_name("imagenet.tar.away")
     archive.rename(hidden)
     try:
         with open(archive, "wb") as f:
-            f.truncate(4 << 40)
-        job_id = submit(lab, name, *EXAMPLES[name].args, workdir=tmp_path)
-        job = timed_job(lab, job_id, tmp_path, "too small a disk")
+            f.truncate(size)
+        job_id = submit(lab, name, *EXAMPLES[name].args, workdir=tmp_path, site=site,
+                        options=options)  # fmt: skip
+        job = timed_job(lab, job_id, tmp_path, f"too small a {where}")
     finally:
         archive.unlink(missing_ok=True)
         hidden.rename(archive)
+        for folder in Path("/dev/shm").glob("ddp-slurm-lab-*"):
+            shutil.rmtree(folder)
     for node in ("cn1", "cn2"):
-        assert re.search(
-            rf"error: {node}: \S+/imagenet has \d+ GiB free, and the dataset needs "
-            r"4300 GiB: set local_disk in job.sh to a larger disk",
-            unwrapped(job.output),
-        ), job.output
+        assert re.search(message.format(node=node), unwrapped(job.output)), job.output
     assert "Running on" not in job.output
 
 

@@ -84,7 +84,8 @@ CHECKPOINTING = [name for name in STRUCTURED if "class Checkpoint" in main_sourc
 
 SHARED_BY_CHECKPOINTING = [
     "Agreement", "note_stop_signal", "catch_stop_signals", "start_fork_server",
-    "ResumableSampler", "SeededSamples", "save_atomically", "requeue", "stop_for_good",
+    "ResumableSampler", "SeededSamples", "save_atomically", "requeue", "slurm_ends",
+    "stop_for_good", "changes",
 ]  # fmt: skip
 
 
@@ -112,6 +113,19 @@ def test_the_checkpointing_programs_stop_and_save_the_same_way():
             shared = [*shared, *SHARED_BY_DDP_CHECKPOINTING]
         for part in shared:
             assert mine[part] == reference[part], f"{name}: its {part} differs"
+
+
+def test_the_language_models_read_token_files_the_same_way():
+    # The template's language model section and the FSDP2 step pick the token files'
+    # integer type alike (tests/test_template.py runs both).
+    section = (EXAMPLES_DIR / "generic/template/language_model.py").read_text()
+    segments = [
+        ast.get_source_segment(source, node)
+        for source in (section, main_source("generic/fsdp"))
+        for node in ast.parse(source).body
+        if isinstance(node, ast.FunctionDef) and node.name == "token_dtype"
+    ]
+    assert len(segments) == 2 and segments[0] == segments[1]
 
 
 def test_setup_gives_one_named_tuple_in_one_order():
@@ -144,20 +158,25 @@ def test_every_main_is_a_table_of_contents():
 # test holds: +6 in every file for srun's variables under pyxis, +5 more in the
 # checkpointing files for the requeue asked of job.sh (tests/test_containers.py), +1
 # in the files that start the fork server at once (+1 in their diffs), for no server
-# with no workers (tests/test_examples.py).
+# with no workers (tests/test_examples.py); +64 in the DDP checkpointing files and their
+# diffs, +61 in FSDP2's, for the losses that Slurm's real events and a reader's own
+# arguments showed (plain settings, unreadable checkpoints, leftovers, later steps kept,
+# saves that block, requeues after SIGTERM alone and past a controller away, changed
+# arguments logged, the token files' type: tests/test_checkpoint_files.py,
+# tests/test_slurm_events.py, tests/test_resume.py, tests/test_template.py).
 LINES = {
     "generic/single_gpu": 508, "mila/single_gpu": 510, "generic/multi_node": 555,
-    "generic/checkpointing": 991, "generic/template": 1173, "generic/fsdp": 1530,
+    "generic/checkpointing": 1055, "generic/template": 1237, "generic/fsdp": 1591,
     "launchers/lightning": 706, "launchers/accelerate": 563,
 }  # fmt: skip
 DIFFS = {
     ("generic/single_gpu", "generic/multi_gpu"): 120,
     ("generic/multi_gpu", "generic/multi_node"): 30,
-    ("generic/multi_node", "generic/checkpointing"): 480,
+    ("generic/multi_node", "generic/checkpointing"): 544,
     ("generic/checkpointing", "generic/template"): 274,
     ("mila/single_gpu", "mila/multi_gpu"): 120,
     ("mila/multi_gpu", "mila/multi_node"): 30,
-    ("mila/multi_node", "mila/checkpointing"): 486,
+    ("mila/multi_node", "mila/checkpointing"): 550,
     # The frameworks' examples against the step they train as (test_frameworks.py).
     ("generic/multi_node", "launchers/lightning"): 303,
     ("generic/multi_node", "launchers/accelerate"): 40,

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import bench
+import numpy as np
 import pytest
 import tinyimagenet
 import torch
@@ -320,13 +321,86 @@ def test_a_dataloader_worker_gets_the_token_files_path_not_its_tokens(
     # is a copy of the whole file, in every worker of every rank.
     section = load_main(NAME, file="language_model.py")
     data = write_token_files(tmp_path, train_sequences=20_000, val_sequences=1)
-    dataset = section.TokenFile(data / "train.bin", 17, 64)
+    dataset = section.TokenFile(data / "train.bin", 17, 64, "uint16")
     size = (data / "train.bin").stat().st_size
     pickled = pickle.dumps(dataset)
     assert size > 600_000 and len(pickled) < 1_000, (size, len(pickled))
     copy = pickle.loads(pickled)
     assert len(copy) == len(dataset) == 20_000
     assert torch.equal(copy[123], dataset[123])
+
+
+# The template's language model section, and the FSDP2 step, read token files alike.
+def token_files_args(name: str, folder: Path, *more: str):
+    common = ["--seq-len", "16", "--data-dir", str(folder), *more]
+    if name == "generic/fsdp":
+        return load_main(name), load_main(name).parse_args(common)
+    section = load_main(NAME, file="language_model.py")
+    parser = argparse.ArgumentParser()
+    section.add_arguments(parser)
+    return section, parser.parse_args(common)
+
+
+@pytest.mark.parametrize("name", [NAME, "generic/fsdp"])
+def test_token_files_are_read_with_the_vocabularys_integer_type(
+    tmp_path, process_group, name
+):
+    # Llama 3's vocabulary, 128,256 ids, needs files of uint32. Read as uint16, each id
+    # would be two other tokens, all within the vocabulary: training would go on, on
+    # garbage, without a word.
+    ids = np.arange(100_000, 100_000 + 40 * 16 + 1, dtype=np.uint32)
+    for split in ("train.bin", "val.bin"):
+        ids.tofile(tmp_path / split)
+    module, args = token_files_args(name, tmp_path, "--vocab-size", "128256")
+    train, _, classes = module.make_datasets(args)
+    assert classes == 128_256 and len(train) == 40
+    assert torch.equal(train[1], torch.from_numpy(ids[16:33].astype(np.int64)))
+    # GPT-2's 50,304 fit uint16, nanoGPT's files; a type too small is refused.
+    assert module.token_dtype(50_304, None) == "uint16"
+    _, args = token_files_args(name, tmp_path, "--vocab-size", "128256",
+                               "--token-dtype", "uint16")  # fmt: skip
+    with pytest.raises(SystemExit, match="ids up to 128255, more than --token-dtype"):
+        module.make_datasets(args)
+
+
+def peak_gib(section, args, bf16: bool) -> float:
+    """The most memory that the tensors of one training step of the section's model hold
+    at once, in GiB: counted on fake tensors (torch's MemTracker), so no memory is used
+    and nothing is computed. CUDA's own workspaces and cache come on top on a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with FakeTensorMode():
+        model = section.build_model(args, args.vocab_size)
+        optimizer = torch.optim.AdamW(model.parameters())
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            tokens = torch.randint(args.vocab_size, (args.batch_size, args.seq_len + 1))
+            inputs, target = section.to_device(tokens, torch.device("cpu"))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = section.loss_fn(model(inputs), target)
+            loss.backward()
+            optimizer.step()
+        peak = tracker.get_tracker_snapshot("peak")
+    return max(device["Total"] for device in peak.values()) / 2**30
+
+
+def test_the_language_models_default_batch_fits_a_24_gb_gpu():
+    # The section's defaults: a GPT-2-sized model (124 million parameters) on 1,024
+    # tokens a sequence, 8 sequences a step. Counted, under 12 GiB in bf16 and in
+    # float32 (GPUs without bf16): room on a GPU of 24 GB. The image section's
+    # default, 128, would need more than an 80 GB GPU has.
+    section = load_main(NAME, file="language_model.py")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-size", type=int, default=128)  # as main.py adds it
+    section.add_arguments(parser)
+    args = parser.parse_args([])
+    assert args.batch_size == 8
+    for bf16 in (True, False):
+        assert peak_gib(section, args, bf16) < 12
+    args.batch_size = 128
+    assert peak_gib(section, args, bf16=True) > 80
 
 
 def test_the_variables_that_setup_sets_do_not_outlive_their_test():

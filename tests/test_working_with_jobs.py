@@ -230,3 +230,20 @@ def test_gres_and_gpus_per_node_ask_for_the_same_gpus_and_mem_per_gpu_scales(
     assert per_gpu["MemPerTres"] in {"gres/gpu:32768", "gres:gpu:32768"}, per_gpu
     if lab.at_least("24.11"):
         assert "mem=128G" in per_gpu["ReqTRES"], per_gpu
+
+
+@pytest.mark.every_version
+def test_a_waiting_job_can_be_kept_off_a_node(lab, tmp_path):
+    # The generic page's command to keep a requeued job, waiting in the queue, off the
+    # node that failed it: here, a job held in the queue.
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nhostname\n")
+    job_id = lab.sbatch(script, site="generic", workdir=tmp_path, options=["--hold"])
+    command = page_command("clusters/generic.md", "scontrol update JobId=")
+    command = command.replace("<job ID>", job_id).replace("<node>", "cn2")
+    try:
+        result = run(lab, command)
+        assert result.returncode == 0, result.stderr
+        assert lab.job_info(job_id)["ExcNodeList"] == "cn2"
+    finally:
+        subprocess.run(["scancel", job_id], env=lab.env(), capture_output=True)

@@ -603,14 +603,14 @@ class Checkpoint:
         self.root = args.checkpoint_dir
         self.keep = args.keep_checkpoints
         self.every_steps = args.checkpoint_every_steps
-        settings = {
+        # Every argument, as plain values (a Path as its text, a tuple as a list):
+        # torch.load with weights_only=True, which load() uses, refuses other objects.
+        self.arguments = json.loads(json.dumps(vars(args), default=str))
+        self.settings = {
             name: value
-            for name, value in sorted(vars(args).items())
+            for name, value in sorted(self.arguments.items())
             if name not in MAY_CHANGE_ON_RESUME
         }
-        # As plain values (a Path as its text, a tuple as a list): torch.load with
-        # weights_only=True, which load() uses, refuses other objects.
-        self.settings = json.loads(json.dumps(settings, default=str))
         # The other ranks wait in this group while rank 0 writes, as long as the storage
         # takes: a file system that blocks (Lustre, NFS) may outlast the default group's
         # timeout (10 minutes with NCCL), which would end every rank.
@@ -639,6 +639,7 @@ class Checkpoint:
                 "scheduler": scheduler.state_dict(),
                 "progress": asdict(progress),
                 "settings": self.settings,
+                "arguments": self.arguments,
                 "ranks": ranks,
             }
             path = self.root / f"step-{progress.steps:08d}.pt"
@@ -719,16 +720,25 @@ class Checkpoint:
                 "a new --checkpoint-dir to start over."
             )
         if state["settings"] != self.settings:
-            changes = ", ".join(
-                f"--{name.replace('_', '-')} {state['settings'].get(name)} -> {value}"
-                for name, value in self.settings.items()
-                if state["settings"].get(name) != value
-            )
             raise SystemExit(
-                f"error: {path} belongs to a run with other settings ({changes}). "
-                "Resume with the same settings, or start a new run: another "
-                f"--job-name, or delete {self.root}."
+                f"error: {path} belongs to a run with other settings "
+                f"({changes(state['settings'], self.settings)}). Resume with the same "
+                "settings, or start a new run: another --job-name, or delete "
+                f"{self.root}."
             )
+        # Those that may change, said: some change the numbers, if not the run (in the
+        # template, --bf16 on a GPU without bf16).
+        if (old := state.get("arguments", self.arguments)) != self.arguments:
+            log.info(f"Changed since {path.name}: {changes(old, self.arguments)}")
+
+
+def changes(old: dict, new: dict) -> str:
+    """The values that differ between two sets of arguments, as `--name old -> new`."""
+    return ", ".join(
+        f"--{name.replace('_', '-')} {old.get(name)} -> {value}"
+        for name, value in new.items()
+        if old.get(name) != value
+    )
 
 
 # A complete checkpoint's name. One being written ends in ".tmp".

@@ -85,9 +85,24 @@ def make_datasets(args) -> tuple[Dataset, Dataset, int]:
         valid = SyntheticTokens(max(size // 10, 1), vocab, length, first_seed=size)
         return train, valid, vocab
     check_dataset(args.data_dir)
-    train = TokenFile(args.data_dir / "train.bin", args.seq_len + 1, args.vocab_size)
-    valid = TokenFile(args.data_dir / "val.bin", args.seq_len + 1, args.vocab_size)
+    length, dtype = args.seq_len + 1, token_dtype(args.vocab_size, args.token_dtype)
+    train = TokenFile(args.data_dir / "train.bin", length, args.vocab_size, dtype)
+    valid = TokenFile(args.data_dir / "val.bin", length, args.vocab_size, dtype)
     return train, valid, args.vocab_size
+
+
+def token_dtype(vocab_size: int, name: str | None) -> str:
+    """The integer type of the token files: `name`, or the smaller of uint16 and uint32
+    that holds every id below `vocab_size`. One too small is refused: its files could
+    not hold the tokenizer's ids, and read as it, uint32 files would be other tokens."""
+    name = name or ("uint16" if vocab_size <= 2**16 else "uint32")
+    if vocab_size > np.iinfo(name).max + 1:
+        raise SystemExit(
+            f"error: --vocab-size {vocab_size} has ids up to {vocab_size - 1}, more "
+            f"than --token-dtype {name} holds. Write the token files as uint32, and "
+            "pass --token-dtype uint32."
+        )
+    return name
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
@@ -192,17 +207,18 @@ class SyntheticTokens(Dataset):
 
 
 class TokenFile(Dataset):
-    """Consecutive pieces of `length` tokens of a file of uint16 token ids, one after
-    the other: the format of nanoGPT's data scripts (train.bin, val.bin)."""
+    """Consecutive pieces of `length` tokens of a file of token ids of type `dtype`,
+    one after the other: the format of nanoGPT's data scripts (train.bin, val.bin,
+    uint16)."""
 
-    def __init__(self, path: Path, length: int, vocab_size: int):
-        self.path, self.length = path, length
+    def __init__(self, path: Path, length: int, vocab_size: int, dtype: str):
+        self.path, self.length, self.dtype = path, length, dtype
         # Mapped, not read: the processes share the file's pages, however large it is.
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
         if len(self.tokens) < length:
             raise SystemExit(
                 f"error: {path} holds {len(self.tokens)} tokens, fewer than one "
-                f"sequence of --seq-len {length - 1} needs. It must hold uint16 ids."
+                f"sequence of --seq-len {length - 1} needs. It must hold {dtype} ids."
             )
         # One pass over the file, now rather than hours into training: on a GPU, an id
         # past the embedding's end is an opaque device-side assert. Each process reads
@@ -224,11 +240,11 @@ class TokenFile(Dataset):
     def __getstate__(self):
         # DataLoader workers get a pickled copy of the dataset: send the path, not the
         # mapped tokens, which would be copied whole. Each worker maps the file again.
-        return {"path": self.path, "length": self.length}
+        return {"path": self.path, "length": self.length, "dtype": self.dtype}
 
     def __setstate__(self, state):
         vars(self).update(state)
-        self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+        self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
 
     def __len__(self):
         return (len(self.tokens) - 1) // (self.length - 1)
@@ -252,7 +268,7 @@ def check_dataset(data_dir: Path | None):
     if missing:
         raise SystemExit(
             f"error: {data_dir} has no {' or '.join(missing)}. The dataset must be two "
-            "files of uint16 token ids, train.bin and val.bin (nanoGPT's format); "
+            "files of token ids, train.bin and val.bin (nanoGPT's format); "
             "check DATA_DIR in job.sh (and the variables it is made of, such as "
             "$SCRATCH), or pass --data-dir.\nTo try the job without a dataset, add "
             "--synthetic-data."
@@ -341,11 +357,14 @@ def parse_args(argv=None):
     add("--log-every", type=positive, default=50, help="steps between log lines")
     # The model's sizes. The defaults make about 34 million parameters.
     add("--vocab-size", type=positive, default=8192)
+    # The token files' integers: uint16 holds ids up to 65,535 (GPT-2's 50,257 tokens),
+    # uint32 more (Llama 3's 128,256). By default, the smaller that holds --vocab-size.
+    add("--token-dtype", choices=["uint16", "uint32"])
     add("--seq-len", type=positive, default=256)
     add("--dim", type=positive, default=512)
     add("--heads", type=positive, default=8)
     add("--layers", type=positive, default=8)
-    # A folder with train.bin and val.bin, of uint16 token ids.
+    # A folder with train.bin and val.bin, of token ids (--token-dtype).
     add("--data-dir", type=Path, default=os.environ.get("DATA_DIR"))
     add(
         "--synthetic-data", action="store_true", help="synthetic sequences of token ids"
@@ -1016,14 +1035,14 @@ class Checkpoint:
         self.root = args.checkpoint_dir
         self.keep = args.keep_checkpoints
         self.every_steps = args.checkpoint_every_steps
-        settings = {
+        # Every argument, as plain values (a Path as its text, a tuple as a list):
+        # torch.load with weights_only=True, which load() uses, refuses other objects.
+        self.arguments = json.loads(json.dumps(vars(args), default=str))
+        self.settings = {
             name: value
-            for name, value in sorted(vars(args).items())
+            for name, value in sorted(self.arguments.items())
             if name not in MAY_CHANGE_ON_RESUME
         }
-        # As plain values (a Path as its text, a tuple as a list): torch.load with
-        # weights_only=True, which load() uses, refuses other objects.
-        self.settings = json.loads(json.dumps(settings, default=str))
         # The background saves' own group: their collectives run in a thread, on CPU
         # tensors, and must not mix with training's. Its ranks wait in it as long as the
         # storage takes: a file system that blocks (Lustre, NFS) may outlast the default
@@ -1059,6 +1078,7 @@ class Checkpoint:
             "scheduler": scheduler.state_dict(),
             "progress": asdict(progress),
             "settings": self.settings,
+            "arguments": self.arguments,
             "ranks": ranks,
         }
         path = self.root / f"epoch-{progress.epoch:04d}-step-{progress.steps:08d}"
@@ -1167,16 +1187,25 @@ class Checkpoint:
     def check(self, state: dict, path: Path):
         """Stops with the cause when the checkpoint belongs to another run."""
         if state["settings"] != self.settings:
-            changes = ", ".join(
-                f"--{name.replace('_', '-')} {state['settings'].get(name)} -> {value}"
-                for name, value in self.settings.items()
-                if state["settings"].get(name) != value
-            )
             raise SystemExit(
-                f"error: {path} belongs to a run with other settings ({changes}). "
-                "Resume with the same settings, or start a new run: another "
-                f"--job-name, or delete {self.root}."
+                f"error: {path} belongs to a run with other settings "
+                f"({changes(state['settings'], self.settings)}). Resume with the same "
+                "settings, or start a new run: another --job-name, or delete "
+                f"{self.root}."
             )
+        # Those that may change, said: some change the numbers, if not the run
+        # (--bf16 on a GPU without bf16).
+        if (old := state.get("arguments", self.arguments)) != self.arguments:
+            log.info(f"Changed since {path.name}: {changes(old, self.arguments)}")
+
+
+def changes(old: dict, new: dict) -> str:
+    """The values that differ between two sets of arguments, as `--name old -> new`."""
+    return ", ".join(
+        f"--{name.replace('_', '-')} {old.get(name)} -> {value}"
+        for name, value in new.items()
+        if old.get(name) != value
+    )
 
 
 # A complete checkpoint's folder. One being written ends in ".tmp".

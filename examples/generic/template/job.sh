@@ -99,8 +99,7 @@ if [[ " $* " != *" --synthetic-data "* ]]; then
     start=$SECONDS
     # The single quotes: each task's shell reads the two exported variables itself,
     # and checks its own node's disk first. An uncompressed archive unpacks to its own
-    # size, and a little more for the last block of each file: 5%, to be safe. A folder
-    # in memory (tmpfs) holds it in the node's memory.
+    # size, and a little more for the last block of each file: 5%, to be safe.
     # shellcheck disable=SC2016
     srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" bash -c '
         mkdir -p "$DATA_DIR" || exit 1
@@ -112,9 +111,15 @@ if [[ " $* " != *" --synthetic-data "* ]]; then
                 "larger disk, or read the dataset where it is" >&2
             exit 1
         fi
-        if [[ $(stat -f -c %T "$DATA_DIR") == tmpfs ]]; then
-            echo "$(hostname): $DATA_DIR is in memory: the dataset takes" \
-                "$((need >> 30)) GiB of the memory the job asked for" >&2
+        # In memory (tmpfs), the dataset counts against the memory the job asked for
+        # on the node (--mem), whatever the size of the folder: leave half to training.
+        memory=$((${SLURM_MEM_PER_NODE:-0} << 20))
+        if [[ $(stat -f -c %T "$DATA_DIR") == tmpfs ]] && ((need > memory / 2 > 0)); then
+            echo "error: $(hostname): $DATA_DIR is in memory (tmpfs): the dataset" \
+                "needs $((need >> 30)) GiB of the $((memory >> 30)) GiB the job asked" \
+                "for per node, more than half. Ask for more (--mem), or set" \
+                "local_disk in job.sh to a folder on a disk" >&2
+            exit 1
         fi
         tar -xf "$DATA_ARCHIVE" -C "$DATA_DIR"'
     echo "Unpacked the dataset in $DATA_DIR on every node in $((SECONDS - start)) s."

@@ -30,14 +30,21 @@ def add_arguments(parser: argparse.ArgumentParser):
     names the exceptions)."""
     add = parser.add_argument
     add("--vocab-size", type=int, default=50304, help="token ids")
+    # The token files' integers: uint16 holds ids up to 65,535 (GPT-2's 50,257 tokens),
+    # uint32 more (Llama 3's 128,256). By default, the smaller that holds --vocab-size.
+    add("--token-dtype", choices=["uint16", "uint32"])
     add("--seq-len", type=int, default=1024, help="tokens a sequence")
     add("--dim", type=int, default=768, help="the model's width")
     add("--heads", type=int, default=12, help="attention heads")
     add("--layers", type=int, default=12, help="transformer blocks")
-    # A folder with train.bin and val.bin, of uint16 token ids.
+    # A folder with train.bin and val.bin, of token ids (--token-dtype).
     add("--data-dir", type=Path, default=os.environ.get("DATA_DIR"))
     add("--synthetic-data", action="store_true", help="synthetic token sequences")
     add("--synthetic-size", type=int, default=100_000)
+    # 8 sequences a process and micro-batch: one step's tensors peak at under 12 GiB
+    # (counted; the image section's 128 would take 128 GiB). For a larger global batch,
+    # raise --accumulation-steps.
+    parser.set_defaults(batch_size=8)
 
 
 def build_model(args, num_classes: int) -> nn.Module:
@@ -55,9 +62,24 @@ def make_datasets(args) -> tuple[Dataset, Dataset, int]:
         valid = SyntheticTokens(max(size // 10, 1), args.vocab_size, length, size)
         return train, valid, args.vocab_size
     check_dataset(args.data_dir)
-    train = TokenFile(args.data_dir / "train.bin", length, args.vocab_size)
-    valid = TokenFile(args.data_dir / "val.bin", length, args.vocab_size)
+    dtype = token_dtype(args.vocab_size, args.token_dtype)
+    train = TokenFile(args.data_dir / "train.bin", length, args.vocab_size, dtype)
+    valid = TokenFile(args.data_dir / "val.bin", length, args.vocab_size, dtype)
     return train, valid, args.vocab_size
+
+
+def token_dtype(vocab_size: int, name: str | None) -> str:
+    """The integer type of the token files: `name`, or the smaller of uint16 and uint32
+    that holds every id below `vocab_size`. One too small is refused: its files could
+    not hold the tokenizer's ids, and read as it, uint32 files would be other tokens."""
+    name = name or ("uint16" if vocab_size <= 2**16 else "uint32")
+    if vocab_size > np.iinfo(name).max + 1:
+        raise SystemExit(
+            f"error: --vocab-size {vocab_size} has ids up to {vocab_size - 1}, more "
+            f"than --token-dtype {name} holds. Write the token files as uint32, and "
+            "pass --token-dtype uint32."
+        )
+    return name
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
@@ -127,8 +149,8 @@ class Block(nn.Module):
 
 
 class TokenFile(Dataset):
-    """Consecutive sequences of a file of uint16 token ids (nanoGPT's train.bin and
-    val.bin), each `length` tokens long and overlapping the next by one.
+    """Consecutive sequences of a file of token ids of type `dtype` (nanoGPT's train.bin
+    and val.bin: uint16), each `length` tokens long and overlapping the next by one.
 
     The file is mapped into memory, not read: the processes of a node share its pages.
     A DataLoader worker gets a pickled copy of the dataset, and a pickled np.memmap is
@@ -136,13 +158,13 @@ class TokenFile(Dataset):
     path alone, and each worker maps the file anew.
     """
 
-    def __init__(self, path: Path, length: int, vocab_size: int):
-        self.path, self.length = path, length
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    def __init__(self, path: Path, length: int, vocab_size: int, dtype: str):
+        self.path, self.length, self.dtype = path, length, dtype
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
         if len(self.tokens) < length:
             raise SystemExit(
                 f"error: {path} holds {len(self.tokens)} tokens, fewer than one "
-                f"sequence of --seq-len {length - 1} needs. It must hold uint16 ids."
+                f"sequence of --seq-len {length - 1} needs. It must hold {dtype} ids."
             )
         # An id past the embedding's end fails on a GPU as an opaque device-side
         # assert, hours in: look now. Each process reads its share of the file.
@@ -158,11 +180,11 @@ class TokenFile(Dataset):
             )
 
     def __getstate__(self):  # what a worker gets: the path, not the tokens
-        return {"path": self.path, "length": self.length}
+        return {"path": self.path, "length": self.length, "dtype": self.dtype}
 
     def __setstate__(self, state):
         vars(self).update(state)
-        self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+        self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
 
     def __len__(self):
         return (len(self.tokens) - 1) // (self.length - 1)
@@ -204,7 +226,7 @@ def check_dataset(data_dir: Path | None):
     if missing:
         raise SystemExit(
             f"error: {data_dir} has no {' or '.join(missing)}. The dataset must be two "
-            "files of uint16 token ids, train.bin and val.bin; check DATA_DIR in "
+            "files of token ids, train.bin and val.bin; check DATA_DIR in "
             "job.sh, or pass --data-dir.\nTo try the job without a dataset, add "
             "--synthetic-data."
         )
