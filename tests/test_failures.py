@@ -205,62 +205,6 @@ def assert_same_summaries(resumed, uninterrupted, restarts: int) -> list[dict]:
     return mine
 
 
-def test_a_preempted_job_resumes_exactly(lab, tmp_path, exact_twin):
-    name = "generic/checkpointing"
-    options = [*EXACT_LAYOUT, *PREEMPTIBLE]
-    job = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "preempted", options=options)
-    output = tmp_path / "preempted" / f"slurm-{job}.out"
-
-    # A job of a higher priority needs the nodes: Slurm sends SIGTERM to every process
-    # of this one and requeues it (PreemptMode=REQUEUE, no grace time).
-    def requeue():
-        preempt(lab, job)
-
-    def warn_one_rank():  # one rank noticing must be enough for all of them to stop
-        os.kill(wait_until(lambda: find_rank(job, 1), 30, "rank 1"), signal.SIGUSR1)
-
-    # A warning to every rank, as --signal=USR1@120 sends before the time limit: the
-    # FSDP2 test below (its stop agreement is this step's, byte for byte).
-    # An unplanned step each time: a random moment within an epoch of training.
-    rng = random.Random()
-    for restarts, interrupt in enumerate([requeue, warn_one_rank], start=1):
-        epochs_seen = read(output).count(EPOCH_END)
-        wait_until(
-            lambda seen=epochs_seen: read(output).count(EPOCH_END) > seen,
-            120,
-            "an epoch of training",
-        )
-        time.sleep(rng.uniform(0.1, 1.5))
-        interrupt()
-        restart_when_requeued(lab, job, restarts)
-    preempted = lab.wait(job, tmp_path / "preempted", timeout=300)
-    uninterrupted, plain = exact_twin()
-    assert uninterrupted.ok, uninterrupted.output
-    assert preempted.ok, preempted.output
-
-    # Each interruption stopped every rank at one step, and
-    # the next run resumed from there.
-    stops = re.findall(
-        r"\[(\d)/4\] Stopped at step (\d+), checkpoint saved", preempted.output
-    )
-    resumes = re.findall(r"Resumed from \S+ at step (\d+)", preempted.output)
-    steps = sorted({int(step) for _, step in stops})
-    assert len(stops) == EXACT_RANKS * 2 and len(steps) == 2, preempted.output
-    assert [int(step) for step in resumes] == steps, preempted.output
-    assert preempted.output.count("Requeueing job") == 1, preempted.output
-
-    # The final weights, optimizer state, losses and random states
-    # are bitwise those of the run that was never interrupted; the
-    # summaries differ only in the restart count.
-    assert_bitwise_equal(
-        checkpoint_of(lab, tmp_path / "preempted"), checkpoint_of(lab, plain)
-    )
-    mine = assert_same_summaries(preempted, uninterrupted, restarts=2)
-    print(
-        f"preempted at steps {steps} of {mine[0]['steps']}: final state bitwise equal"
-    )
-
-
 def test_a_preempted_mila_job_resumes_exactly(lab, tmp_path):
     # The Mila step has DataLoader workers, which Slurm signals
     # too: they must not die of SIGTERM and fail their rank before

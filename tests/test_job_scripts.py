@@ -90,7 +90,7 @@ def test_the_checkpointing_scripts_end_the_same_way():
 # (tests/test_slurm_events.py shows both).
 RESUMING = [*CHECKPOINTING, "generic/container", "launchers/lightning"]
 ASK_SLURM = "\nask_slurm() {\n"
-OLD_SLURM = "${version%%.*} < 24)"
+OLD_SLURM = "${version:-99} < 24)"
 
 
 def test_every_resuming_script_asks_slurm_again_and_waits_out_a_grace_time():

@@ -355,8 +355,13 @@ def test_token_files_are_read_with_the_vocabularys_integer_type(
     train, _, classes = module.make_datasets(args)
     assert classes == 128_256 and len(train) == 40
     assert torch.equal(train[1], torch.from_numpy(ids[16:33].astype(np.int64)))
-    # GPT-2's 50,304 fit uint16, nanoGPT's files; a type too small is refused.
+    # GPT-2's 50,304 fit uint16, nanoGPT's files; a type too small is refused, and so is
+    # a file of uint32 ids that fit uint16 too, read as uint16.
     assert module.token_dtype(50_304, None) == "uint16"
+    (ids - 60_000).tofile(tmp_path / "train.bin")
+    _, args = token_files_args(name, tmp_path, "--vocab-size", "50304")
+    with pytest.raises(SystemExit, match="as in a file of uint32 ids read as uint16"):
+        module.make_datasets(args)
     _, args = token_files_args(name, tmp_path, "--vocab-size", "128256",
                                "--token-dtype", "uint16")  # fmt: skip
     with pytest.raises(SystemExit, match="ids up to 128255, more than --token-dtype"):

@@ -611,10 +611,11 @@ class Checkpoint:
             for name, value in sorted(self.arguments.items())
             if name not in MAY_CHANGE_ON_RESUME
         }
-        # The other ranks wait in this group while rank 0 writes, as long as the storage
-        # takes: a file system that blocks (Lustre, NFS) may outlast the default group's
-        # timeout (10 minutes with NCCL), which would end every rank.
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
+        # The other ranks wait in this group while rank 0 reads or writes, for up to an
+        # hour: a file system that blocks (Lustre, NFS) may outlast the default group's
+        # timeout (10 minutes with NCCL), which would end every rank. Past the hour, the
+        # storage counts as gone: every rank fails, and job.sh requeues the job.
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(hours=1))
         self.max_failures, self.failures = args.max_failed_saves, 0
 
     def due(self, steps: int) -> bool:
@@ -681,7 +682,7 @@ class Checkpoint:
         # Rank 0 chooses, for all: on a network file system, nodes can list a folder
         # differently for a while.
         chosen = [readable_checkpoint(self.root) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(chosen, src=0)
+        dist.broadcast_object_list(chosen, src=0, group=self.group)
         if isinstance(path := chosen[0], str):  # checkpoints, none of which loads
             stop_for_good(self.root, path)
         if path is None:
@@ -719,25 +720,26 @@ class Checkpoint:
                 f"job has {world_size}. Resume with the same number of tasks, or give "
                 "a new --checkpoint-dir to start over."
             )
-        if state["settings"] != self.settings:
+        if other := changes(state["settings"], self.settings):
             raise SystemExit(
-                f"error: {path} belongs to a run with other settings "
-                f"({changes(state['settings'], self.settings)}). Resume with the same "
-                "settings, or start a new run: another --job-name, or delete "
-                f"{self.root}."
+                f"error: {path} belongs to a run with other settings ({other}). "
+                "Resume with the same settings, or start a new run: another "
+                f"--job-name, or delete {self.root}."
             )
         # Those that may change, said: some change the numbers, if not the run (in the
         # template, --bf16 on a GPU without bf16).
-        if (old := state.get("arguments", self.arguments)) != self.arguments:
-            log.info(f"Changed since {path.name}: {changes(old, self.arguments)}")
+        if changed := changes(state.get("arguments", self.arguments), self.arguments):
+            log.info(f"Changed since {path.name}: {changed}")
 
 
 def changes(old: dict, new: dict) -> str:
-    """The values that differ between two sets of arguments, as `--name old -> new`."""
+    """The values that differ between two sets of arguments, as `--name old -> new`.
+    An argument that one set lacks counts as None: a new one whose default is None
+    changes nothing."""
     return ", ".join(
-        f"--{name.replace('_', '-')} {old.get(name)} -> {value}"
-        for name, value in new.items()
-        if old.get(name) != value
+        f"--{name.replace('_', '-')} {old.get(name)} -> {new.get(name)}"
+        for name in sorted(old.keys() | new.keys())
+        if old.get(name) != new.get(name)
     )
 
 
@@ -754,17 +756,20 @@ def checkpoints(root: Path, last_step: float = math.inf) -> list[Path]:
 
 def readable_checkpoint(root: Path) -> Path | str | None:
     """The newest checkpoint in `root` that loads, or None if there is none. If there
-    are some and none loads, the error instead, for a person: starting over would lose
-    them. One that does not load (damaged, or unreadable a while) is moved into
-    unreadable/, with a warning, for the one before it: left, it would stay the newest.
-    Files of saves that a kill cut short (.tmp) are deleted."""
+    are some and none loads, or the storage cannot read one, the error instead, for a
+    person: starting over would lose them. One that does not load (damaged, or with
+    settings that no longer load) is moved into unreadable/, with a warning, for the one
+    before it: left, it would stay the newest. Files of saves that a kill cut short
+    (.tmp) are deleted."""
     for leftover in root.glob("step-*.pt.tmp"):
         log.warning(f"Deleting {leftover}, left by a save that did not end")
         leftover.unlink(missing_ok=True)
     errors = {}
     for path in reversed(checkpoints(root)):
-        try:  # with mmap, a check of the file's index, not a read of all of it
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            load_index(path)
+        except OSError as error:  # EIO, ESTALE: the storage's error, not the file's
+            return f"error: cannot read {path}: {error}. Resubmit once it reads again."
         except Exception as error:  # a damaged file can raise one of several errors
             errors[path] = error
             continue
@@ -781,6 +786,18 @@ def readable_checkpoint(root: Path) -> Path | str | None:
         f"{newest.name}: {error}\nA run that resumed would start over. Fix the cause, "
         "or move the folder away to start a new run."
     )
+
+
+def load_index(path: Path) -> dict:
+    """The checkpoint in `path` with its tensors mapped, not read: a check of its index.
+    Where the storage fails to read it, tried again every 10 s for a minute."""
+    for _ in range(6):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except OSError as error:
+            log.warning(f"Cannot read {path} ({error}): trying again in 10 s")
+            time.sleep(10)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def save_atomically(state: dict, path: Path):
@@ -812,9 +829,10 @@ def requeue(stopped_by: int, max_restarts: int, folder: Path):
     a lost node's, `scancel --signal=TERM`), and then the job would end COMPLETED,
     unfinished. Not after `max_restarts`: a job that cannot finish would loop for good.
     """
-    job_id = os.environ.get("SLURM_JOB_ID")
-    if job_id is None or stopped_by == signal.SIGTERM and slurm_ends(job_id):
-        return  # not a Slurm job, or one that Slurm ends
+    if (job_id := os.environ.get("SLURM_JOB_ID")) is None:
+        return  # not a Slurm job
+    if stopped_by == signal.SIGTERM and slurm_ends(job_id) is not False:
+        return  # Slurm ends it (or may: no answer)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
     if restarts >= max_restarts:
@@ -828,16 +846,11 @@ def requeue(stopped_by: int, max_restarts: int, folder: Path):
         (folder / "requeue").touch()
         return
     log.info(f"Requeueing job {job_id}")
-    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue. Slurm's
-    # controller may not answer for a while (a restart): try again, for 90 s of the
-    # two minutes' warning. The requeue ends every process of the job, scontrol
-    # included: SIGTERM is success.
-    deadline = time.monotonic() + 90
-    while (code := subprocess.run(["scontrol", "requeue", job_id]).returncode) not in (
-        0, -signal.SIGTERM
-    ) and time.monotonic() < deadline:  # fmt: skip
-        time.sleep(5)
-    if code not in (0, -signal.SIGTERM):
+    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue. The requeue
+    # ends every process of the job, scontrol included: SIGTERM is success. So is a job
+    # no longer running: a try whose answer was lost may have requeued it.
+    result = scontrol("requeue", job_id)
+    if result.returncode not in (0, -signal.SIGTERM) and slurm_ends(job_id) is not True:
         stop_for_good(
             folder,
             f"error: `scontrol requeue {job_id}` failed, so the job will not start "
@@ -845,15 +858,36 @@ def requeue(stopped_by: int, max_restarts: int, folder: Path):
         )
 
 
-def slurm_ends(job_id: str) -> bool:
+def slurm_ends(job_id: str) -> bool | None:
     """Whether Slurm is ending the job: no longer running (cancelled, timed out,
-    requeued), or preempted, in its grace time. Where no scontrol answers (in a
-    container), it cannot tell: yes."""
+    requeued), or preempted, in its grace time; None where no scontrol answers."""
+    show = scontrol("show", "job", "--oneliner", job_id)
+    if show is None or show.returncode != 0:
+        return None
+    job = dict(item.split("=", 1) for item in show.stdout.split() if "=" in item)
+    # PreemptTime is only shown where preemption is on.
+    return job.get("JobState") != "RUNNING" or job.get("PreemptTime", "None") != "None"
+
+
+def scontrol(*args: str) -> subprocess.CompletedProcess | None:
+    """`scontrol ARGS`, tried again every 5 s while Slurm's controller does not answer
+    (a restart, a failover), for 90 s, but never past 15 s before the time limit. None
+    where there is no scontrol (in a container)."""
     if shutil.which("scontrol") is None:
-        return True
-    show = ["scontrol", "show", "job", "--oneliner", job_id]
-    job = subprocess.run(show, capture_output=True, text=True).stdout
-    return " JobState=RUNNING " not in job or " PreemptTime=None " not in job
+        return None
+    end = min(time.time() + 90, int(os.environ.get("SLURM_JOB_END_TIME", 2e9)) - 15)
+    while True:
+        try:
+            result = subprocess.run(["scontrol", *args], capture_output=True, text=True,
+                                    timeout=max(end - time.time(), 1))  # fmt: skip
+        except subprocess.TimeoutExpired as error:
+            result = subprocess.CompletedProcess(error.cmd, 1, "", "no answer in time")
+        if result.stderr.strip():
+            log.warning(f"scontrol {' '.join(args)}: {result.stderr.strip()}")
+        away = re.search("contact slurm controller|timed out|in time", result.stderr)
+        if result.returncode <= 0 or not away or time.time() + 5 > end:
+            return result
+        time.sleep(5)
 
 
 def stop_for_good(folder: Path, message: str):

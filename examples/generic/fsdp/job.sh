@@ -120,14 +120,15 @@ if [[ $status == 0 && -e $CHECKPOINT_DIR/requeue ]]; then
     exit 1
 fi
 if ((status == 0)); then
-    # Preempted with a grace time (the partition's GraceTime): main.py saved and stopped.
-    # Slurm 24.05 and later requeue the job once this script ends. 22.05 to 23.11 would
-    # end it COMPLETED, unfinished: wait for the grace time to end, when Slurm requeues
-    # the job (or cancels it, as its PreemptMode says).
-    version=$(scontrol --version)  # "slurm 23.11.4"; Debian's: "slurm-wlm 23.11.4"
-    version=${version##* }
-    if ((${version%%.*} < 24)) &&
-        [[ $(ask_slurm scontrol show job "$SLURM_JOB_ID") == *" PreemptTime="[0-9]* ]]; then
+    # Preempted with a grace time (GraceTime, the partition's or the QOS's), main.py
+    # saved and stopped. Slurm 24.05 and later requeue the job once this script ends;
+    # older ones end it COMPLETED, unfinished: there, wait for the grace time to end,
+    # when Slurm requeues the job (or cancels it, as its PreemptMode says).
+    version=$(scontrol --version) || version=""  # "slurm 23.11.4", "slurm-wlm 23.11.4"
+    version=${version##* } && version=${version%%.*}
+    if ((${version:-99} < 24)) &&
+        [[ $(ask_slurm scontrol show job "$SLURM_JOB_ID") == *" PreemptTime="[0-9]* ]]
+    then
         sleep infinity
     fi
     exit 0

@@ -112,9 +112,13 @@ if [[ " $* " != *" --synthetic-data "* ]]; then
             exit 1
         fi
         # In memory (tmpfs), the dataset counts against the memory the job asked for
-        # on the node (--mem), whatever the size of the folder: leave half to training.
-        memory=$((${SLURM_MEM_PER_NODE:-0} << 20))
-        if [[ $(stat -f -c %T "$DATA_DIR") == tmpfs ]] && ((need > memory / 2 > 0)); then
+        # on the node, whatever the size of the folder: leave half to training. Asked
+        # per CPU or per GPU, that memory times the CPUs or GPUs on the node. In MB.
+        memory=${SLURM_MEM_PER_NODE:-$((${SLURM_MEM_PER_CPU:-0} * SLURM_CPUS_ON_NODE +
+            ${SLURM_MEM_PER_GPU:-0} * ${SLURM_GPUS_ON_NODE:-0}))}
+        memory=$((memory << 20))
+        if [[ $(stat -f -c %T "$DATA_DIR") == tmpfs ]] &&
+            ((memory > 0 && need > memory / 2)); then
             echo "error: $(hostname): $DATA_DIR is in memory (tmpfs): the dataset" \
                 "needs $((need >> 30)) GiB of the $((memory >> 30)) GiB the job asked" \
                 "for per node, more than half. Ask for more (--mem), or set" \
@@ -171,14 +175,15 @@ if [[ $status == 0 && -e $CHECKPOINT_DIR/requeue ]]; then
     exit 1
 fi
 if ((status == 0)); then
-    # Preempted with a grace time (the partition's GraceTime): main.py saved and stopped.
-    # Slurm 24.05 and later requeue the job once this script ends. 22.05 to 23.11 would
-    # end it COMPLETED, unfinished: wait for the grace time to end, when Slurm requeues
-    # the job (or cancels it, as its PreemptMode says).
-    version=$(scontrol --version)  # "slurm 23.11.4"; Debian's: "slurm-wlm 23.11.4"
-    version=${version##* }
-    if ((${version%%.*} < 24)) &&
-        [[ $(ask_slurm scontrol show job "$SLURM_JOB_ID") == *" PreemptTime="[0-9]* ]]; then
+    # Preempted with a grace time (GraceTime, the partition's or the QOS's), main.py
+    # saved and stopped. Slurm 24.05 and later requeue the job once this script ends;
+    # older ones end it COMPLETED, unfinished: there, wait for the grace time to end,
+    # when Slurm requeues the job (or cancels it, as its PreemptMode says).
+    version=$(scontrol --version) || version=""  # "slurm 23.11.4", "slurm-wlm 23.11.4"
+    version=${version##* } && version=${version%%.*}
+    if ((${version:-99} < 24)) &&
+        [[ $(ask_slurm scontrol show job "$SLURM_JOB_ID") == *" PreemptTime="[0-9]* ]]
+    then
         sleep infinity
     fi
     exit 0

@@ -161,6 +161,13 @@ class TokenFile(Dataset):
     def __init__(self, path: Path, length: int, vocab_size: int, dtype: str):
         self.path, self.length, self.dtype = path, length, dtype
         self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        # Ids written as uint32 and read as uint16 are each an id and a 0.
+        head = self.tokens[: 1 << 20]
+        if dtype == "uint16" and head[::2].any() and not head[1::2].any():
+            raise SystemExit(
+                f"error: every other number of {path} is 0, as in a file of uint32 ids "
+                "read as uint16. Pass --token-dtype uint32."
+            )
         if len(self.tokens) < length:
             raise SystemExit(
                 f"error: {path} holds {len(self.tokens)} tokens, fewer than one "
