@@ -13,6 +13,7 @@ checkpoints a save deletes.
 
 import contextlib
 import enum
+import errno
 import shlex
 import signal
 import subprocess
@@ -447,3 +448,34 @@ def test_the_pages_comparison_of_two_checkpoints_tells_equal_from_different(tmp_
     assert different.returncode == 1 and "Tensor-likes are not equal" in (
         different.stderr
     ), different.stderr
+
+
+def test_storage_that_fails_to_read_is_tried_again_then_stops_the_run(
+    tmp_path, monkeypatch
+):
+    # EIO or ESTALE (an NFS server away, a file handle gone stale) is the storage's
+    # error, not the file's: the newest checkpoint is read again, every 10 s for a
+    # minute, not moved aside for an older one; if it still fails, the run stops with
+    # the cause. (The sleeps are skipped here.)
+    args = step_4_args(tmp_path)
+    main = load_main("generic/checkpointing")
+    load, failures = torch.load, {"left": 0}
+
+    def flaky(path, *rest, **options):
+        if str(path).endswith("step-00000008.pt") and failures["left"]:
+            failures["left"] -= 1
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return load(path, *rest, **options)
+
+    monkeypatch.setattr(main.torch, "load", flaky)
+    monkeypatch.setattr(main.time, "sleep", lambda seconds: None)
+    with one_process():
+        run = Run(args)
+        run.save(steps=4)
+        run.save(steps=8)
+        failures["left"] = 3  # back after three tries
+        assert Run(args).load() == 8
+        failures["left"] = 100  # away for good
+        with pytest.raises(SystemExit, match=r"cannot read \S+/step-00000008\.pt: "):
+            Run(args).load()
+    assert names(tmp_path) == ["step-00000004.pt", "step-00000008.pt"]

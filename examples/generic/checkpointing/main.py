@@ -12,6 +12,7 @@ Try the job before the data is in place:
 
 import argparse
 import contextlib
+import errno
 import functools
 import gc
 import itertools
@@ -768,9 +769,9 @@ def readable_checkpoint(root: Path) -> Path | str | None:
     for path in reversed(checkpoints(root)):
         try:
             load_index(path)
-        except OSError as error:  # EIO, ESTALE: the storage's error, not the file's
-            return f"error: cannot read {path}: {error}. Resubmit once it reads again."
         except Exception as error:  # a damaged file can raise one of several errors
+            if getattr(error, "errno", None) in STORAGE_ERRORS:
+                return f"error: cannot read {path}: {error}. Resubmit once it reads."
             errors[path] = error
             continue
         for newer, error in errors.items():
@@ -788,6 +789,10 @@ def readable_checkpoint(root: Path) -> Path | str | None:
     )
 
 
+# The storage's errors, not the file's: a server away, a file handle gone stale.
+STORAGE_ERRORS = {errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.ENOTCONN}
+
+
 def load_index(path: Path) -> dict:
     """The checkpoint in `path` with its tensors mapped, not read: a check of its index.
     Where the storage fails to read it, tried again every 10 s for a minute."""
@@ -795,6 +800,8 @@ def load_index(path: Path) -> dict:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except OSError as error:
+            if error.errno not in STORAGE_ERRORS:
+                raise
             log.warning(f"Cannot read {path} ({error}): trying again in 10 s")
             time.sleep(10)
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
