@@ -355,45 +355,6 @@ def test_a_warned_fsdp_job_requeues_itself_and_resumes_exactly(lab, tmp_path):
     )
 
 
-def test_a_cancelled_job_resumes_when_resubmitted(lab, tmp_path, exact_twin):
-    # scancel, a time limit or a failed requeue end the job for
-    # good; the user submits job.sh again, which gives it a new
-    # job ID. Checkpoints kept under the job name let it resume.
-    name = "generic/checkpointing"
-    options = EXACT_LAYOUT
-    first = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "run", options=options)
-    output = tmp_path / "run" / f"slurm-{first}.out"
-    wait_until(lambda: EPOCH_END in read(output), 120, "an epoch of training")
-    time.sleep(random.uniform(0.1, 1.5))
-    # SIGTERM to every process of the job, then SIGKILL after KillWait: time to save.
-    subprocess.run(["scancel", first], env=lab.env(), check=True)
-    cancelled = lab.wait(first, tmp_path / "run", timeout=120)
-    assert cancelled.state == "CANCELLED", cancelled.output
-    stops = re.findall(
-        r"\[\d/4\] Stopped at step (\d+), checkpoint saved", cancelled.output
-    )
-    assert len(stops) == EXACT_RANKS and len(set(stops)) == 1, cancelled.output
-    assert "Requeueing job" not in cancelled.output
-
-    again = submit(lab, name, *EXACT_RUN, workdir=tmp_path / "run", options=options)
-    assert again != first
-    resubmitted = lab.wait(again, tmp_path / "run", timeout=300)
-    uninterrupted, plain = exact_twin()
-    assert resubmitted.ok, resubmitted.output
-    assert uninterrupted.ok, uninterrupted.output
-    assert re.search(rf"Resumed from \S+ at step {stops[0]}\b", resubmitted.output)
-    assert_bitwise_equal(
-        checkpoint_of(lab, tmp_path / "run"), checkpoint_of(lab, plain)
-    )
-    assert numbers(parse_summaries(resubmitted.output)) == numbers(
-        parse_summaries(uninterrupted.output)
-    )
-    print(
-        f"cancelled at step {stops[0]}, resubmitted as job {again}: final state "
-        "bitwise equal"
-    )
-
-
 def kill_a_rank_after_a_save(lab: Lab, job: str, output: Path, saves: int) -> int:
     """SIGKILL to rank 1 at an unplanned step once the job's output holds `saves`
     saves, as an out-of-memory kill or a GPU error ends a process: no signal to catch,

@@ -158,12 +158,12 @@ def test_every_main_is_a_table_of_contents():
 # test holds: +6 in every file for srun's variables under pyxis, +5 more in the
 # checkpointing files for the requeue asked of job.sh (tests/test_containers.py), +1
 # in the files that start the fork server at once (+1 in their diffs), for no server
-# with no workers (tests/test_examples.py); +105 in the DDP checkpointing files and their
-# diffs, +87 in FSDP2's, for the losses that Slurm's real events and a reader's own
-# arguments showed (plain settings, unreadable checkpoints, leftovers, later steps kept,
-# saves that block, storage that fails to read, requeues after SIGTERM alone and past a
-# controller away, changed arguments logged, the token files' type: tests/test_checkpoint_files.py,
-# tests/test_slurm_events.py, tests/test_resume.py, tests/test_template.py).
+# with no workers (tests/test_examples.py); +105 in the DDP checkpointing files and
+# their diffs, +87 in FSDP2's, for the losses that Slurm's real events and a reader's
+# own arguments showed (plain settings, unreadable checkpoints, leftovers, later steps
+# kept, saves that block, storage that fails to read, requeues after SIGTERM alone and
+# past a controller away, changed arguments logged, the token files' type): tests in
+# test_checkpoint_files.py, test_slurm_events.py, test_resume.py, test_template.py.
 LINES = {
     "generic/single_gpu": 508, "mila/single_gpu": 510, "generic/multi_node": 555,
     "generic/checkpointing": 1096, "generic/template": 1278, "generic/fsdp": 1617,

@@ -118,6 +118,8 @@ FROM_SID = {"forky": ["apptainer"]}
 # The container example's image, in $SCRATCH (its job.sh's default).
 IMAGE = "images/pytorch-25.12.sif"
 
+# The cgroup (v1) controllers that a node of a lab with cgroups gets of its own.
+CGROUP_CONTROLLERS = ["freezer", "cpuset", "memory", "devices", "cpuacct"]
 # The partitions whose jobs a job of `main` preempts, and how.
 PREEMPTIBLE = {
     "preemptible": "PreemptMode=REQUEUE",
@@ -162,6 +164,9 @@ class Job:
 class Lab:
     version: str = DEFAULT_VERSION
     state: Path = STATE
+    # proctrack/cgroup and task/cgroup, as most clusters track a job's processes, each
+    # node in a cgroup (v1) hierarchy of its own; else proctrack/linuxproc, task/none.
+    cgroups: bool = False
     procs: list[subprocess.Popen] = field(default_factory=list)
     _node_scripts: dict[str, str] = field(default_factory=dict)
 
@@ -273,6 +278,11 @@ class Lab:
                 )
         for bridge, _ in NETWORKS.values():
             subprocess.run(["ip", "link", "delete", bridge], capture_output=True)
+        for controller in CGROUP_CONTROLLERS:  # a lab with cgroups: its nodes' own
+            with contextlib.suppress(LabUnavailable):
+                for own in own_cgroup(controller).glob("ddplab-*"):
+                    deepest_first = ["find", own, "-depth", "-type", "d"]
+                    subprocess.run([*deepest_first, "-delete"], capture_output=True)
         hosts = Path("/etc/hosts")
         lines = hosts.read_text().splitlines(keepends=True)
         kept = [line for line in lines if HOSTS_TAG not in line]
@@ -319,8 +329,8 @@ SlurmctldLogFile={s}/log/slurmctld.log
 SlurmdLogFile={s}/log/slurmd-%n.log
 SlurmctldPort=6817
 SlurmdPort=6818
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+ProctrackType={"proctrack/cgroup" if self.cgroups else "proctrack/linuxproc"}
+TaskPlugin={"task/cgroup" if self.cgroups else "task/none"}
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
@@ -358,6 +368,12 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=
                 for i, node in enumerate(SWITCH_ORDER, start=1)
             )
             + f"SwitchName=spine Switches=leaf[1-{len(SWITCH_ORDER)}]\n"
+        )
+        # Nothing constrained: the nodes claim 32 CPUs of the machine's 2, and their
+        # GPUs are copies of /dev/null. Here the cgroups track the processes.
+        (s / "cgroup.conf").write_text(
+            "CgroupPlugin=cgroup/v1\nConstrainCores=no\nConstrainDevices=no\n"
+            "ConstrainRAMSpace=no\n"
         )
         (s / "gres.conf").write_text(
             "AutoDetect=off\n"
@@ -473,17 +489,42 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=
                     *mounts,
                     f"mount --bind {own_disk} {local_disk}",
                     f"mount --bind {empty} {top}/etc/resolv.conf",
+                    *(self._cgroup_mounts(top) if self.cgroups else []),
                     *(enter_root if self.root is not None else []),
                     f"exec slurmd -D -N {name} -f {self.conf}",
                 ]
             )
             self.start_node(name)
 
+    def _cgroup_mounts(self, top: str) -> list[str]:
+        """Shell commands that show a node, in its own cgroup namespace, the machine's
+        cgroup (v1) hierarchies from its own cgroup down, as a node's root."""
+        cgroup = f"{top}/sys/fs/cgroup"
+        return [
+            f"mount -t tmpfs cgroups {cgroup}",
+            *(f"mkdir {cgroup}/{c} && mount -t cgroup -o {c} cgroup {cgroup}/{c}"
+              for c in CGROUP_CONTROLLERS),
+            f"mkdir {cgroup}/systemd",
+            f"mount -t cgroup -o none,name=systemd cgroup {cgroup}/systemd",
+        ]  # fmt: skip
+
     def start_node(self, name: str) -> None:
         """Starts the node's slurmd, in the node's namespaces: at `up`, or after
         `crash_node`, as a node that boots again."""
         cmd = ["nsenter", f"--net=/run/netns/ddplab-{name}", "unshare", "--uts",
                "--mount"]  # fmt: skip
+        if self.cgroups:
+            # Into a cgroup of its own in each hierarchy, then a cgroup namespace: the
+            # node sees that cgroup as the root, and the nodes' jobs stay apart.
+            join = []
+            for c in CGROUP_CONTROLLERS:
+                own = own_cgroup(c) / f"ddplab-{name}"
+                own.mkdir(exist_ok=True)
+                if c == "cpuset":
+                    for key in ("cpuset.cpus", "cpuset.mems"):
+                        (own / key).write_text((own.parent / key).read_text())
+                join.append(f"echo $$ > {own}/cgroup.procs")
+            cmd = ["sh", "-c", "; ".join([*join, 'exec "$@"']), "sh", *cmd, "--cgroup"]
         with open(self.state / "log" / "daemons.out", "ab") as log:
             self.procs.append(
                 subprocess.Popen(
@@ -937,6 +978,16 @@ def _make_dirs(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     with open(STATE / "made_dirs", "a") as made:
         made.writelines(f"{p}\n" for p in missing)
+
+
+def own_cgroup(controller: str) -> Path:
+    """The folder of this process's cgroup in a cgroup (v1) hierarchy: the nodes' go
+    below it, within whatever limits it has."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(","):
+            return Path("/sys/fs/cgroup", controller) / path.lstrip("/")
+    raise LabUnavailable(f"no cgroup (v1) hierarchy of {controller} here")
 
 
 def veth(node: str, iface: str) -> str:

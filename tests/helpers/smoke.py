@@ -506,9 +506,15 @@ def load_checkpoint(folder: Path) -> dict:
     return torch.load(newest_checkpoint(folder), map_location="cpu", weights_only=True)
 
 
+# What two runs of one training record differently in their checkpoints: the arguments
+# each was started with, its folders among them. The settings that shape training
+# ("settings") are compared.
+NOT_COMPARED = {"arguments"}
+
+
 def assert_bitwise_equal(a, b, where="checkpoint"):
     """Fails unless `a` and `b`, nested dicts, lists and
-    tensors, are equal bit for bit."""
+    tensors, are equal bit for bit (but for NOT_COMPARED, at the top)."""
     # Here, so that running the examples does not import torch in this process.
     import torch
 
@@ -518,7 +524,7 @@ def assert_bitwise_equal(a, b, where="checkpoint"):
         assert torch.equal(a, b), f"{where} differs"
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), where
-        for key in a:
+        for key in a.keys() - (NOT_COMPARED if where == "checkpoint" else set()):
             assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
     elif isinstance(a, list | tuple):
         assert len(a) == len(b), where

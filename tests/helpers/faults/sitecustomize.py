@@ -42,9 +42,9 @@ def failing_fsync(fd):
     if pattern and re.search(pattern, path) and left > 0:
         left -= 1
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    if stall and re.search(stall, path):
-        if stall_when is None or os.path.exists(stall_when):
-            time.sleep(stall_seconds)
+    now = stall_when is None or os.path.exists(stall_when)
+    if stall and re.search(stall, path) and now:
+        time.sleep(stall_seconds)
     return fsync(fd)
 
 
