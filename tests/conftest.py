@@ -25,14 +25,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     """Deselects the tests marked since_slurm(V) when the test cluster runs a Slurm
-    older than V, those marked apptainer where its root has no Apptainer (all but
-    26.05), and those marked apptainer(False) where it has: deselected, not skipped, as
-    CI counts a skip as a failure."""
+    older than V, before_slurm(V) when it runs V or newer, those marked apptainer where
+    its root has no Apptainer (all but 26.05), and those marked apptainer(False) where
+    it has: deselected, not skipped, as CI counts a skip as a failure."""
     lab = Lab(version=config.getoption("--slurm-version"))  # starts nothing
     keep, drop = [], []
     for item in items:
         mark = item.get_closest_marker("since_slurm")
         too_old = mark is not None and not lab.at_least(mark.args[0])
+        mark = item.get_closest_marker("before_slurm")
+        too_old = too_old or mark is not None and lab.at_least(mark.args[0])
         # apptainer: needs Apptainer; apptainer(False): needs a cluster without it.
         apptainer = item.get_closest_marker("apptainer")
         wrong = apptainer and (apptainer.args or [True])[0] != lab.has_apptainer
@@ -55,6 +57,16 @@ def smoke_run():
         return runs[key]
 
     return run
+
+
+@pytest.fixture
+def process_group():
+    """A one-process gloo group in this process, for the functions that DDP needs."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ arguments, checkpoints that do not load, leftovers of killed saves, and which
 checkpoints a save deletes.
 """
 
-import contextlib
 import enum
 import errno
 import shlex
@@ -255,15 +254,6 @@ def test_the_rename_is_synced_to_disk(tmp_path, name):
 # (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_layout.py).
 
 
-@contextlib.contextmanager
-def one_process():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class Run:
     """What main() hands to step 4's Checkpoint: a small model, its optimizer and
     schedule; saved at a given step, loaded to learn the step resumed from."""
@@ -307,37 +297,33 @@ class Size(enum.Enum):
     SMALL = "small"
 
 
-def test_a_readers_own_arguments_of_any_type_resume(tmp_path):
+def test_a_readers_own_arguments_of_any_type_resume(process_group, tmp_path):
     # A reader's section adds its own arguments (the template's add_arguments()): a
     # Path, an enum, a tuple. The checkpoint records them as plain values, which
     # torch.load(weights_only=True) loads: recorded as the objects, no checkpoint
     # loaded, and every requeued start trained again from step 0.
     args = step_4_args(tmp_path)
     args.data_file, args.size, args.crop = Path("/data/train.bin"), Size.SMALL, (8, 8)
-    with one_process():
-        Run(args).save(steps=3)
-        assert Run(args).load() == 3
-        # Another value of one is still another run's.
-        args.crop = (4, 4)
-        with pytest.raises(
-            SystemExit, match=r"settings \(--crop \[8, 8\] -> \[4, 4\]\)"
-        ):
-            Run(args).load()
+    Run(args).save(steps=3)
+    assert Run(args).load() == 3
+    # Another value of one is still another run's.
+    args.crop = (4, 4)
+    with pytest.raises(SystemExit, match=r"settings \(--crop \[8, 8\] -> \[4, 4\]\)"):
+        Run(args).load()
 
 
-def test_checkpoints_none_of_which_loads_stop_the_run(tmp_path):
+def test_checkpoints_none_of_which_loads_stop_the_run(process_group, tmp_path):
     # Every checkpoint damaged, or unreadable (a setting that no longer loads, storage
     # that fails to read): the run must stop with the folder and the cause, for a
     # person, not start again from step 0 beside them.
     args = step_4_args(tmp_path)
-    with one_process():
-        run = Run(args)
-        run.save(steps=4)
-        run.save(steps=8)
-        for name in names(tmp_path):
-            cut_in_half(tmp_path / name)
-        with pytest.raises(SystemExit) as stopped:
-            Run(args).load()
+    run = Run(args)
+    run.save(steps=4)
+    run.save(steps=8)
+    for name in names(tmp_path):
+        cut_in_half(tmp_path / name)
+    with pytest.raises(SystemExit) as stopped:
+        Run(args).load()
     assert str(stopped.value).startswith(
         f"error: none of the 2 checkpoints in {tmp_path} loads; the newest, "
         "step-00000008.pt: "
@@ -349,6 +335,7 @@ def test_checkpoints_none_of_which_loads_stop_the_run(tmp_path):
 
 
 def test_an_unreadable_newest_checkpoint_is_moved_aside_and_leftovers_deleted(
+    process_group,
     tmp_path,
 ):
     # The newest does not load: the run resumes from the one before, and moves it
@@ -356,82 +343,78 @@ def test_an_unreadable_newest_checkpoint_is_moved_aside_and_leftovers_deleted(
     # tell whether a start saved). A .tmp file of a save that a kill cut short, a
     # full-size file on a quota'd scratch, is deleted.
     args = step_4_args(tmp_path)
-    with one_process():
-        run = Run(args)
-        run.save(steps=4)
-        run.save(steps=8)
-        cut_in_half(tmp_path / "step-00000008.pt")
-        (tmp_path / "step-00000012.pt.tmp").write_bytes(b"cut short")
-        assert Run(args).load() == 4
+    run = Run(args)
+    run.save(steps=4)
+    run.save(steps=8)
+    cut_in_half(tmp_path / "step-00000008.pt")
+    (tmp_path / "step-00000012.pt.tmp").write_bytes(b"cut short")
+    assert Run(args).load() == 4
     assert names(tmp_path) == ["step-00000004.pt"]
     assert (tmp_path / "unreadable" / "step-00000008.pt").exists()
     assert not (tmp_path / "step-00000012.pt.tmp").exists()
 
 
-def test_a_save_never_deletes_a_later_checkpoint(tmp_path):
+def test_a_save_never_deletes_a_later_checkpoint(process_group, tmp_path):
     # A run that resumed from an older checkpoint than the newest (a node that listed
     # the folder before the newest showed, on a network file system) saves steps below
     # it. Keeping the newest by step would delete each new save as it is written.
     args = step_4_args(tmp_path, "--keep-checkpoints", "1")
-    with one_process():
-        run = Run(args)
-        run.save(steps=10)
-        run.save(steps=4)
-        run.save(steps=6)
+    run = Run(args)
+    run.save(steps=10)
+    run.save(steps=4)
+    run.save(steps=6)
     assert names(tmp_path) == ["step-00000006.pt", "step-00000010.pt"]
 
 
 # The FSDP2 step records its settings and deletes old checkpoints in its own way.
-def test_fsdp2_records_a_readers_own_arguments_as_plain_values(tmp_path):
+def test_fsdp2_records_a_readers_own_arguments_as_plain_values(process_group, tmp_path):
     fsdp = load_main("generic/fsdp")
     args = fsdp.parse_args(["--checkpoint-dir", str(tmp_path)])
     args.data_file, args.size, args.crop = Path("/data/train.bin"), Size.SMALL, (8, 8)
-    with one_process():
-        settings = fsdp.Checkpoint(args).settings
+    settings = fsdp.Checkpoint(args).settings
     fsdp.save_atomically({"settings": settings}, tmp_path / "progress.pt")
     loaded = torch.load(tmp_path / "progress.pt", weights_only=True)
     assert loaded["settings"] == settings
     assert settings["data_file"] == "/data/train.bin" and settings["crop"] == [8, 8]
 
 
-def test_a_sharded_save_never_deletes_a_later_checkpoint(tmp_path):
+def test_a_sharded_save_never_deletes_a_later_checkpoint(process_group, tmp_path):
     fsdp = load_main("generic/fsdp")
-    with one_process():
-        group = dist.new_group(backend="gloo")
-        for step in (10, 4, 6):  # the newest 2 kept: 4 and 6 of this run, and 10
-            folder = tmp_path / f"epoch-0000-step-{step:08d}"
-            fsdp.start_checkpoint(folder, {"weights": torch.zeros(10)}, group).result()
-            fsdp.finish_checkpoint(folder, {"step": step}, 2)
+    group = dist.new_group(backend="gloo")
+    for step in (10, 4, 6):  # the newest 2 kept: 4 and 6 of this run, and 10
+        folder = tmp_path / f"epoch-0000-step-{step:08d}"
+        fsdp.start_checkpoint(folder, {"weights": torch.zeros(10)}, group).result()
+        fsdp.finish_checkpoint(folder, {"step": step}, 2)
     assert [p.name for p in fsdp.checkpoints(tmp_path)] == [
         "epoch-0000-step-00000004", "epoch-0000-step-00000006",
         "epoch-0000-step-00000010",
     ]  # fmt: skip
 
 
-def test_a_resumed_run_says_which_arguments_changed(tmp_path, caplog):
+def test_a_resumed_run_says_which_arguments_changed(process_group, tmp_path, caplog):
     # The arguments that may change on resume (MAY_CHANGE_ON_RESUME) are recorded too,
     # and each change is logged. In the template, --bf16 is one: it follows the GPU,
     # and a requeued job may start on GPUs of another kind, without bf16.
     args = step_4_args(tmp_path, "--num-workers", "2")
-    with one_process():
-        Run(args).save(steps=3)
-        args.num_workers = 4
-        with caplog.at_level("INFO"):
-            assert Run(args).load() == 3
+    Run(args).save(steps=3)
+    args.num_workers = 4
+    with caplog.at_level("INFO"):
+        assert Run(args).load() == 3
     assert "Changed since step-00000003.pt: --num-workers 2 -> 4" in caplog.text
     template = load_main("generic/template")
     assert "bf16" in template.MAY_CHANGE_ON_RESUME
 
 
-def test_the_pages_comparison_of_two_checkpoints_tells_equal_from_different(tmp_path):
+def test_the_pages_comparison_of_two_checkpoints_tells_equal_from_different(
+    process_group, tmp_path
+):
     # The generic page's one line that compares a resumed run's checkpoint with an
     # uninterrupted one's: equal checkpoints print "equal"; one weight apart, it fails.
     command = page_command("clusters/generic.md", "python -c 'import sys, torch;")
     program = shlex.split(command)[:3]
-    with one_process():
-        for run in ("a", "b", "c"):
-            torch.manual_seed(0)
-            Run(step_4_args(tmp_path / run)).save(steps=5)
+    for run in ("a", "b", "c"):
+        torch.manual_seed(0)
+        Run(step_4_args(tmp_path / run)).save(steps=5)
     changed = torch.load(tmp_path / "c" / "step-00000005.pt", weights_only=True)
     changed["model"]["bias"][0] += 1
     torch.save(changed, tmp_path / "c" / "step-00000005.pt")
@@ -451,7 +434,7 @@ def test_the_pages_comparison_of_two_checkpoints_tells_equal_from_different(tmp_
 
 
 def test_storage_that_fails_to_read_is_tried_again_then_stops_the_run(
-    tmp_path, monkeypatch
+    process_group, tmp_path, monkeypatch
 ):
     # EIO or ESTALE (an NFS server away, a file handle gone stale) is the storage's
     # error, not the file's: the newest checkpoint is read again, every 10 s for a
@@ -469,13 +452,12 @@ def test_storage_that_fails_to_read_is_tried_again_then_stops_the_run(
 
     monkeypatch.setattr(main.torch, "load", flaky)
     monkeypatch.setattr(main.time, "sleep", lambda seconds: None)
-    with one_process():
-        run = Run(args)
-        run.save(steps=4)
-        run.save(steps=8)
-        failures["left"] = 3  # back after three tries
-        assert Run(args).load() == 8
-        failures["left"] = 100  # away for good
-        with pytest.raises(SystemExit, match=r"cannot read \S+/step-00000008\.pt: "):
-            Run(args).load()
+    run = Run(args)
+    run.save(steps=4)
+    run.save(steps=8)
+    failures["left"] = 3  # back after three tries
+    assert Run(args).load() == 8
+    failures["left"] = 100  # away for good
+    with pytest.raises(SystemExit, match=r"cannot read \S+/step-00000008\.pt: "):
+        Run(args).load()
     assert names(tmp_path) == ["step-00000004.pt", "step-00000008.pt"]

@@ -531,23 +531,16 @@ def test_python_without_srun_fails_fast(lab, tmp_path, name, args, message):
     assert message in job.output
 
 
-@pytest.mark.timeout(1800)  # it may be the first to wait for the checks' jobs
-def test_resuming_with_another_task_count_fails_fast(lab, jobs, tmp_path):
+def test_resuming_with_another_task_count_fails_fast(lab, tmp_path, exact_twin):
     name = "generic/checkpointing"
-    # The checkpoints of job.sh run as it is, 2 x 4 tasks (test_slurm.py reads the same
-    # job), which its ReFrame check keeps in its stage folder.
-    first = jobs(name)
-    assert first.ok, first.output
-    checkpoints = first.workdir / "checkpoints"
-    assert newest_checkpoint(checkpoints).exists()
-    # The same checkpoints, with 2 tasks instead of job.sh's 2 x 4.
+    # The checkpoints of the twin of the exact runs, 2 nodes x 2 tasks, with 2 tasks.
+    _, plain = exact_twin()
     job_id = submit(
-        lab, name, *EXAMPLES[name].args, "--checkpoint-dir", str(checkpoints),
-        workdir=tmp_path,
-        options=ONE_TASK_PER_NODE,
+        lab, name, *EXACT_RUN, "--checkpoint-dir", str(checkpoint_dir(lab, plain)),
+        workdir=tmp_path, options=ONE_TASK_PER_NODE,
     )  # fmt: skip
     job = timed_job(lab, job_id, tmp_path, "resume with 2 tasks from 4")
-    assert "was written by 8 processes, and this job has 2" in job.output
+    assert "was written by 4 processes, and this job has 2" in job.output
 
 
 def test_master_port_in_use_fails_fast(lab, tmp_path):

@@ -80,7 +80,10 @@ def wait_for_nodes(lab, state: str = "idle", timeout: float = 120):
 # Preemption
 
 
+# Slurm 22.05 to 23.11 and 24.05 on differ here; 26.05 behaves as 24.11 does (run by
+# hand: docs/testing.md), and is left out of CI for its time.
 @pytest.mark.every_version
+@pytest.mark.before_slurm("26.05")
 def test_a_job_preempted_with_a_grace_time_is_requeued_and_resumes_exactly(
     lab, tmp_path, exact_twin
 ):

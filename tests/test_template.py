@@ -41,16 +41,6 @@ def example():
     return load_main(NAME)
 
 
-@pytest.fixture
-def process_group():
-    """A one-process gloo group in this process, for the functions that DDP needs."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_accumulated_micro_batches_give_the_whole_batchs_gradients_with_one_all_reduce(
     example, process_group
 ):
