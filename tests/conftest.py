@@ -27,7 +27,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     """Deselects the tests marked since_slurm(V) when the test cluster runs a Slurm
     older than V, before_slurm(V) when it runs V or newer, those marked apptainer where
     its root has no Apptainer (all but 26.05), and those marked apptainer(False) where
-    it has: deselected, not skipped, as CI counts a skip as a failure."""
+    it has: deselected, not skipped, as CI counts a skip as a failure. The tests marked
+    restarts_lab go last: a restart of the test cluster removes its files, and with them
+    what the session's earlier jobs left for later tests to read."""
     lab = Lab(version=config.getoption("--slurm-version"))  # starts nothing
     keep, drop = [], []
     for item in items:
@@ -41,7 +43,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
         (drop if too_old or wrong else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    items[:] = sorted(keep, key=restarts_lab)
+
+
+def restarts_lab(item: pytest.Item) -> bool:
+    return item.get_closest_marker("restarts_lab") is not None
 
 
 @pytest.fixture(scope="session")

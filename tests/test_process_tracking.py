@@ -17,7 +17,8 @@ import pytest
 from slurm_lab import Lab
 from test_failures import wait_until
 
-pytestmark = pytest.mark.slurm
+# The cgroup cluster replaces the usual one for a while: what it held is gone after.
+pytestmark = [pytest.mark.slurm, pytest.mark.restarts_lab]
 
 PROBE = Path(__file__).parent / "helpers" / "signals" / "probe.py"
 # Who notes the signal: the task srun started, its child, torchrun's workers. Under

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import re
-import resource
 import signal
 import time
 from pathlib import Path
@@ -386,19 +385,20 @@ LOW_LIMIT = 40
 def test_sixteen_processes_run_within_a_low_open_file_limit(tmp_path):
     name = "generic/checkpointing"
     env = {**COUNTING, "CHECKPOINT_DIR": str(tmp_path)}
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (LOW_LIMIT, hard))
-    try:  # torchrun and its 16 processes get the limit
-        run = run_example(name, SIXTEEN, TINY, env=env, timeout=500)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # torchrun and its 16 processes get the limit; the test's own process, which holds
+    # the test cluster's files among others when it runs, does not.
+    run = run_example(
+        name, SIXTEEN, TINY, env=env, timeout=500, open_file_limit=LOW_LIMIT
+    )
     assert run.ok, run.output
     assert len(run.summaries) == 16, run.output
     held = {record["rank"]: record["sockets"] for record in collectives(run.output)}
     assert sorted(held) == list(range(16)), held
-    # Connected to all, a process would hold 15 sockets for each of its two gloo groups.
-    # Rank 0 gathers every rank's random state at a save, so it may hold one per peer
-    # in the main group; the others exchange data with a few peers only.
+    # Connected to all, a process would hold 15 sockets in each of its three gloo groups
+    # (the main one, the stop agreement's, the saves'). Rank 0 gathers every rank's
+    # random state at a save, so it may hold one per peer in the main group; the others
+    # exchange data with a few peers only: fewer than the 15 of one group connected to
+    # all and the stop agreement's two neighbours in its ring.
     assert held[0] < 2 * 15, held
-    assert max(held[rank] for rank in range(1, 16)) < 15, held
+    assert max(held[rank] for rank in range(1, 16)) < 15 + 2, held
     print(f"sockets per process at 16 processes, by rank: {held}")

@@ -80,8 +80,8 @@ def wait_for_nodes(lab, state: str = "idle", timeout: float = 120):
 # Preemption
 
 
-# Slurm 22.05 to 23.11 and 24.05 on differ here; 26.05 behaves as 24.11 does (run by
-# hand: docs/testing.md), and is left out of CI for its time.
+# Slurm 22.05 to 23.11 and 24.05 on differ here: run on 22.05 and 24.11. Not on 26.05,
+# for CI's time (docs/testing.md says so).
 @pytest.mark.every_version
 @pytest.mark.before_slurm("26.05")
 def test_a_job_preempted_with_a_grace_time_is_requeued_and_resumes_exactly(

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import socket
 import subprocess
@@ -348,13 +349,21 @@ def run_example(
     timeout: float = 240,
     while_running: Callable[[list[subprocess.Popen], list[Path]], None] | None = None,
     folder: Path | None = None,
+    open_file_limit: int | None = None,
 ) -> Run:
     """Runs one example in smoke mode; `launch`, `args` and `env` override its defaults.
 
     `while_running`, if given, is called with the tasks' processes and log files once
     they have started, to interrupt them, say. `folder`, if given, holds the main.py
     to run instead of the example's own: a copy of it, changed by a test.
+    `open_file_limit`, if given, is each task's limit of open files (its soft
+    RLIMIT_NOFILE), and its children's: this process keeps its own.
     """
+
+    def limit_open_files():
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_file_limit, hard))
+
     launch = launch or EXAMPLES[name]
     args = launch.args if args is None else args
     folder = folder or EXAMPLES_DIR / name
@@ -392,6 +401,7 @@ def run_example(
                     env=proc_env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    preexec_fn=limit_open_files if open_file_limit else None,
                 )
             )
         if while_running:
@@ -507,14 +517,15 @@ def load_checkpoint(folder: Path) -> dict:
 
 
 # What two runs of one training record differently in their checkpoints: the arguments
-# each was started with, its folders among them. The settings that shape training
-# ("settings") are compared.
+# each was started with, its folders among them, at the top of a DDP checkpoint and in
+# FSDP2's progress record. The settings that shape training ("settings") are compared.
 NOT_COMPARED = {"arguments"}
+HOLDS_ARGUMENTS = {"checkpoint", "checkpoint['progress']"}
 
 
 def assert_bitwise_equal(a, b, where="checkpoint"):
     """Fails unless `a` and `b`, nested dicts, lists and
-    tensors, are equal bit for bit (but for NOT_COMPARED, at the top)."""
+    tensors, are equal bit for bit (but for NOT_COMPARED, where HOLDS_ARGUMENTS)."""
     # Here, so that running the examples does not import torch in this process.
     import torch
 
@@ -524,7 +535,7 @@ def assert_bitwise_equal(a, b, where="checkpoint"):
         assert torch.equal(a, b), f"{where} differs"
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), where
-        for key in a.keys() - (NOT_COMPARED if where == "checkpoint" else set()):
+        for key in a.keys() - (NOT_COMPARED if where in HOLDS_ARGUMENTS else set()):
             assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
     elif isinstance(a, list | tuple):
         assert len(a) == len(b), where
