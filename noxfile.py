@@ -142,7 +142,9 @@ def tests(session: nox.Session) -> None:
     docs/testing.md says why.
     """
     install(session, "test")
-    session.run("pytest", *session.posargs)
+    # Two workers (pytest-xdist): one runs the Slurm tests, in order, while the other
+    # runs the rest, as the Slurm tests mostly wait (tests/conftest.py, worker_group).
+    session.run("pytest", "-n", "2", "--dist", "loadgroup", *session.posargs)
     for version in ["26.05", "22.05"]:
         session.run(
             "pytest", "-m", "every_version", f"--slurm-version={version}",

@@ -23,13 +23,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     """Deselects the tests marked since_slurm(V) when the test cluster runs a Slurm
     older than V, before_slurm(V) when it runs V or newer, those marked apptainer where
     its root has no Apptainer (all but 26.05), and those marked apptainer(False) where
     it has: deselected, not skipped, as CI counts a skip as a failure. The tests marked
     restarts_lab go last: a restart of the test cluster removes its files, and with them
-    what the session's earlier jobs left for later tests to read."""
+    what the session's earlier jobs left for later tests to read. Each test gets its
+    group for pytest-xdist (worker_group)."""
     lab = Lab(version=config.getoption("--slurm-version"))  # starts nothing
     keep, drop = [], []
     for item in items:
@@ -44,10 +46,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     if drop:
         config.hook.pytest_deselected(items=drop)
     items[:] = sorted(keep, key=restarts_lab)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
 
 
 def restarts_lab(item: pytest.Item) -> bool:
     return item.get_closest_marker("restarts_lab") is not None
+
+
+def worker_group(item: pytest.Item) -> str:
+    """Where a test runs when nox -s tests runs two workers (pytest-xdist's --dist
+    loadgroup): the tests of the one Slurm test cluster on one, in their order; all the
+    others on the other, each session and module fixture made once."""
+    if item.get_closest_marker("slurm") or {"lab", "jobs"} & set(item.fixturenames):
+        return "slurm"
+    return "rest"
 
 
 @pytest.fixture(scope="session")
