@@ -7,6 +7,7 @@ arguments, by its ReFrame check (checks/examples.py, run by the `jobs` fixture).
 job.sh under examples/ is picked up here with no edit.
 """
 
+import ast
 import csv
 import dataclasses
 import os
@@ -329,9 +330,38 @@ def test_variable_table_matches_the_cluster(lab):
             assert task3[name] == moved.get(name, row[example]), name
 
 
+def restarts(function: ast.FunctionDef) -> bool:
+    """Whether `function` starts or stops a test cluster: calls X.up() or X.down()."""
+    return any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("up", "down")
+        for node in ast.walk(function)
+    )
+
+
+def test_every_test_that_restarts_the_cluster_is_marked_to_run_last():
+    # Unmarked, such a test removed the files of the jobs that later tests read (the
+    # twin's checkpoints): CI failed so.
+    for path in Path(__file__).parent.glob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        module_marked = "restarts_lab" in ast.unparse(
+            next((n for n in tree.body if isinstance(n, ast.Assign)
+                  and "pytestmark" in ast.unparse(n.targets[0])), ast.Pass())
+        )  # fmt: skip
+        for function in ast.walk(tree):
+            if isinstance(function, ast.FunctionDef) and restarts(function):
+                marks = " ".join(map(ast.unparse, function.decorator_list))
+                assert module_marked or "restarts_lab" in marks, (
+                    f"{path.name}: {function.name} restarts the test cluster; mark it "
+                    "@pytest.mark.restarts_lab"
+                )
+
+
+@pytest.mark.restarts_lab
 def test_starting_again_over_a_running_cluster_works(lab):
     # What a crashed run leaves behind is a running
-    # cluster: `up` must clear it and start anew.
+    # cluster: `up` must clear it and start anew. Its files go with it: this runs last.
     lab.up()
     result = subprocess.run(
         ["srun", "--nodes=2", "hostname"], env=lab.env(), capture_output=True, text=True
