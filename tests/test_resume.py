@@ -376,8 +376,8 @@ TINY = (
     "--model", "resnet18", "--image-size", "8", "--batch-size", "2", "--epochs", "1",
     "--max-steps", "1", "--warmup-steps", "1", "--log-every", "1", "--num-workers", "0",
 )  # fmt: skip
-# An open-file limit that 16 processes, each connected to every other by two gloo
-# groups (the main one on CPUs, and the stop agreement's), ran out of.
+# An open-file limit that 16 processes, each connected to every other by their gloo
+# groups (the main one on CPUs, the stop agreement's, the saves'), run out of.
 LOW_LIMIT = 40
 
 
