@@ -10,6 +10,8 @@ nox -s slurm            only the tests that submit job.sh files to the Slurm tes
                         cluster, all of them on each version;
                         `nox -s "slurm(version='26.05')"` for one
 nox -s docs -- --serve  rebuild the site on every change, served on localhost:8000
+nox -s copies           write each module of examples/shared/ into the example folders
+                        that import it (edit the source there, never a copy)
 nox -s bench            samples/s of the generic template with each speed
                         setting (GPU)
 nox -s screenshots      PNGs of the Mila page's first diff, light and dark, for the
@@ -83,6 +85,13 @@ def examples(session: nox.Session) -> None:
     `-- --gpus`, on this node's GPUs with NCCL (tests/helpers/smoke.py)."""
     install(session, "examples")
     session.run("python", "tests/helpers/smoke.py", *session.posargs)
+
+
+@nox.session(python=False)
+def copies(session: nox.Session) -> None:
+    """Writes each module of examples/shared/ into the example folders that import it
+    (tests/tools/copies.py); `-- --check` only lists the copies that differ."""
+    session.run("python3", "tests/tools/copies.py", *session.posargs)
 
 
 @nox.session

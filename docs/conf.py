@@ -1,6 +1,8 @@
 """Sphinx configuration for Distributed PyTorch on Slurm."""
 
+import os
 import sys
+import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "_ext"))
@@ -13,7 +15,7 @@ copyright = "2026, " + author
 # highlighting on green and red lines (see docs/_ext/guide_code.py).
 extensions = ["myst_parser", "sphinx_copybutton", "sphinx_design", "guide_code"]
 myst_enable_extensions = ["colon_fence"]
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "_archives"]
 
 html_theme = "furo"
 html_title = project
@@ -45,3 +47,25 @@ html_theme_options = {
 # markers along. Each diff sits next to its full file, which copies clean.
 copybutton_selector = "div:not(.code-diff) > div.highlight > pre"
 copybutton_exclude = ".linenos, .gp"
+
+
+def write_archives(examples: Path, archives: Path):
+    """One .zip per example folder, for the pages' "the folder as a .zip" links:
+    _archives/generic-single_gpu.zip holds single_gpu/job.sh, single_gpu/main.py and the
+    folder's other files. Written at each build, with fixed dates: a rebuild changes no
+    byte."""
+    archives.mkdir(exist_ok=True)
+    for folder in sorted(p.parent for p in examples.glob("*/*/main.py")):
+        target = archives / f"{folder.parent.name}-{folder.name}.zip"
+        with zipfile.ZipFile(target, "w") as archive:
+            for path in sorted(p for p in folder.iterdir() if p.is_file()):
+                entry = zipfile.ZipInfo(f"{folder.name}/{path.name}", ZIP_DATE)
+                mode = 0o755 if os.access(path, os.X_OK) else 0o644
+                entry.external_attr = mode << 16
+                entry.compress_type = zipfile.ZIP_DEFLATED
+                archive.writestr(entry, path.read_bytes())
+
+
+ZIP_DATE = (2026, 1, 1, 0, 0, 0)
+DOCS = Path(__file__).parent
+write_archives(DOCS.parent / "examples", DOCS / "_archives")

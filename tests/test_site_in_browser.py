@@ -7,8 +7,10 @@ developer without root and without chromium skips these tests.
 """
 
 import base64
+import io
 import os
 import runpy
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urldefrag, urlparse
@@ -204,26 +206,25 @@ def test_each_full_file_shows_its_file_and_copies_its_exact_bytes(site, base, co
 
 
 @pytest.mark.parametrize("page_name", ["clusters/generic.html", "clusters/mila.html"])
-def test_step_one_shows_its_lesson_and_folds_the_plumbing(base, context, page_name):
-    # Step 1's main.py: the lesson, then the plumbing in a folded block that opens on a
-    # click. Together they are the whole file, which the next tab shows and copies.
+def test_the_modules_show_whole_where_they_first_appear(base, context, page_name):
+    # Step 1 shows main.py and devices.py whole, each in a tab; step 2, ranks.py. A tab
+    # opens on a click and shows the file, byte for byte.
     page = context.new_page()
     page.goto(base + page_name)
-    page.add_style_tag(content="* { scroll-behavior: auto !important; }")
-    fold = page.locator("details.plumbing")
-    assert fold.count() == 1, page_name
-    lesson = fold.locator("xpath=..").locator("div.code-excerpt").first
-    plumbing = fold.locator("div.code-excerpt")
-    assert lesson.is_visible() and not plumbing.is_visible(), page_name
-    assert fold.get_attribute("open") is None
-    fold.locator("summary").click()
-    assert plumbing.is_visible(), f"{page_name}: the plumbing did not open"
-    path = lesson.locator("xpath=..").locator(".caption-text").inner_text()
-    whole = (ROOT / path).read_text()
-    cut = whole.index("# ---- Plumbing:")
-    assert lesson.locator("pre").inner_text().rstrip() == whole[:cut].rstrip(), path
-    assert plumbing.locator("pre").inner_text().rstrip() == whole[cut:].rstrip(), path
-    assert "# ---- Plumbing: the same in every example" in plumbing.inner_text()
+    cluster = page_name.split("/")[1].removesuffix(".html")
+    for step, module in [("single_gpu", "devices.py"), ("multi_gpu", "ranks.py")]:
+        path = f"examples/{cluster}/{step}/{module}"
+        caption = page.locator(".caption-text", has_text=path)
+        assert caption.count() == 1, f"{page_name}: {path} is not shown"
+        block = caption.locator("xpath=../..")
+        assert "code-file" in block.locator("div.highlight").first.evaluate(
+            "e => e.parentElement.className"
+        )
+        tab = page.locator(".sd-tab-label", has_text=module).first
+        tab.click()
+        assert block.is_visible(), f"{page_name}: the {module} tab did not open"
+        shown = block.locator("pre").inner_text().rstrip()
+        assert shown == (ROOT / path).read_text().rstrip(), path
     page.close()
 
 
@@ -267,10 +268,11 @@ def test_diffs_have_no_copy_button_and_name_both_files(site, base, context):
 
 
 def test_every_download_link_serves_the_file_shown_next_to_it(site, base, context):
-    # Each step's download links come before its blocks; the link for main.py serves
-    # the next full main.py shown on the page.
+    # Each step's download links come before its blocks: each link serves the file of
+    # its name in the folder of the next job.sh or main.py shown, and the .zip holds
+    # every file of that folder.
     page = context.new_page()
-    served = 0
+    served, archives = 0, set()
     for name in pages(site):
         page.goto(base + name)
         links = page.eval_on_selector_all(
@@ -286,18 +288,33 @@ def test_every_download_link_serves_the_file_shown_next_to_it(site, base, contex
                 (
                     i[1]
                     for i in links[position:]
-                    if i[0] == "file" and i[1].endswith(label)
+                    if i[0] == "file" and i[1].endswith(("/job.sh", "/main.py", label))
                 ),
                 None,
             )
-            assert shown, f"{name}: no {label} shown after its download link"
+            assert shown, f"{name}: no file shown after the link {label}"
             response = page.request.get(href)
             assert response.ok, f"{name}: {href}"
-            assert response.body() == (ROOT / shown).read_bytes(), f"{name}: {href}"
+            folder = (ROOT / shown).parent
+            if href.endswith(".zip"):
+                with zipfile.ZipFile(io.BytesIO(response.body())) as archive:
+                    held = {
+                        Path(entry).name: archive.read(entry)
+                        for entry in archive.namelist()
+                    }
+                    prefixes = {Path(entry).parent.name for entry in archive.namelist()}
+                files = {
+                    p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()
+                }
+                assert held == files and prefixes == {folder.name}, f"{name}: {href}"
+                archives.add(folder)
+                continue
+            assert response.body() == (folder / label).read_bytes(), f"{name}: {href}"
             served += 1
     page.close()
-    print(f"{served} download links checked")
-    assert served >= 30
+    print(f"{served} download links and {len(archives)} folders checked")
+    folders = {path.parent for path in (ROOT / "examples").glob("*/*/main.py")}
+    assert served >= 30 and archives == folders
 
 
 @pytest.mark.parametrize(("term", "expected"), SEARCHES.items())

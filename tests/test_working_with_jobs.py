@@ -73,7 +73,9 @@ def test_salloc_session_trains_on_every_node_with_labels_and_a_log_per_rank(
     smoke = (
         " ".join(EXAMPLES[NAME].args) + " --synthetic-size 160 --synthetic-classes 5"
     )
-    (tmp_path / "main.py").symlink_to(EXAMPLES_DIR / NAME / "main.py")
+    # The step's files, main.py and the modules it imports, as a reader copies them.
+    for path in (EXAMPLES_DIR / NAME).glob("*.py"):
+        (tmp_path / path.name).symlink_to(path)
     python_bin = Path(sys.executable).parent
     # What one types into salloc's shell. `bash -c` rather than
     # salloc's stdin: srun would read the lines that follow it from

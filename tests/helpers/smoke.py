@@ -250,15 +250,43 @@ class Run:
 
 def load_main(name: str, file: str = "main.py"):
     """The example's main.py (or another of its files) as a module, without running
-    its main(). Registered in sys.modules, so that pickle finds its classes."""
-    module_name = f"example_{name.replace('/', '_')}_{Path(file).stem}"
-    spec = importlib.util.spec_from_file_location(
-        module_name, EXAMPLES_DIR / name / file
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
+    its main(). Registered in sys.modules, so that pickle finds its classes.
+
+    The modules that it imports from its folder (ranks.py, devices.py, ...) are loaded
+    from there too, each under a name of its own (example_<folder>_ranks, ...): two
+    folders' modules of one name never mix in one process, and a class of each pickles
+    by its own name."""
+    folder = EXAMPLES_DIR / name
+    prefix = f"example_{name.replace('/', '_')}_"
+    beside = {path.stem for path in folder.glob("*.py")}
+    # While the file runs, its folder comes first on sys.path and the plain names are
+    # free, as when Python runs `python main.py` in the folder.
+    hidden = {stem: sys.modules.pop(stem) for stem in beside if stem in sys.modules}
+    sys.path.insert(0, str(folder))
+    try:
+        module_name = prefix + Path(file).stem
+        spec = importlib.util.spec_from_file_location(module_name, folder / file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(folder))
+        for stem in beside:
+            loaded = sys.modules.pop(stem, None)
+            if loaded is not None and stem != Path(file).stem:
+                rename(loaded, prefix + stem)
+        sys.modules.update(hidden)
     return module
+
+
+def rename(module, name: str):
+    """Registers a module loaded under its plain name under `name` instead, with its
+    classes and functions, so that pickle looks them up there."""
+    old, module.__name__ = module.__name__, name
+    for value in vars(module).values():
+        if getattr(value, "__module__", None) == old:
+            value.__module__ = name
+    sys.modules[name] = module
 
 
 def free_port() -> int:

@@ -1,7 +1,7 @@
 """Single-GPU training: ResNet-18 on CIFAR-10, the first step of the Mila progression.
 
-Everything here is plain PyTorch, run as a job on one GPU. The plumbing at the end is
-the same in every example: here it makes a process group of one.
+Everything here is plain PyTorch, run as a job on one GPU. Beside this file, devices.py
+picks the GPU (or the CPU) and the number of DataLoader workers.
 
 Try the job before staging any data: `sbatch job.sh --synthetic-data --max-steps 50`.
 """
@@ -12,22 +12,19 @@ import json
 import logging
 import math
 import os
-import signal
 import socket
-import threading
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, random_split
 from torchvision import transforms
 from torchvision.datasets import CIFAR10
 from torchvision.models import resnet18
+
+from devices import end_with_rank, get_device, get_num_workers
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +39,15 @@ def build_model(args, num_classes: int) -> nn.Module:
 
 def make_datasets(args) -> tuple[Dataset, Dataset, int]:
     """The training and validation splits, held out from CIFAR-10's training set, and
-    the number of classes.
-
-    The first process of each node unpacks the archive that job.sh staged on that
-    node's $SLURM_TMPDIR; the node's other processes wait at a barrier.
+    the number of classes. The archive is the one job.sh staged on the node's
+    $SLURM_TMPDIR.
     """
     if args.synthetic_data:
         dataset = SyntheticCIFAR10(args.synthetic_size)
     else:
-        # Every process checks, so that all of them stop with the message: none waits
-        # for ever at the barrier for a process that has already failed.
         check_dataset(args.data_dir)
-        if os.environ["LOCAL_RANK"] == "0":  # set by setup()
-            # torchvision checks the staged archive's checksum and unpacks it.
-            CIFAR10(root=args.data_dir, train=True, download=True)
-        dist.barrier()
+        # torchvision checks the staged archive's checksum and unpacks it.
+        CIFAR10(root=args.data_dir, train=True, download=True)
         dataset = CIFAR10(args.data_dir, train=True, transform=transforms.ToTensor())
     n_valid = int(0.1 * len(dataset))
     # A fixed seed keeps the same split in every run: validations stay comparable.
@@ -124,8 +115,7 @@ def check_dataset(data_dir: Path):
 
 def main():
     args = parse_args()
-    place = setup()
-    device = get_device(place.local_rank)
+    device = get_device(local_rank=0)  # one process: the node's first GPU
     # Plain lines with a time stamp: a batch job's output is a file.
     line = "%(asctime)s %(message)s"
     logging.basicConfig(level=logging.INFO, format=line, datefmt="%H:%M:%S")
@@ -323,188 +313,5 @@ def validate(model: nn.Module, loader: DataLoader, device: torch.device) -> dict
     return {"val_loss": loss / n, "val_accuracy": right / n, "val_samples": int(n)}
 
 
-# ---- Plumbing: the same in every example (tests/test_layout.py checks it) ------------
-
-
-class Place(NamedTuple):
-    """Where this process stands in the job."""
-
-    rank: int  # its number among all processes, from 0
-    local_rank: int  # its number among the processes of its node: picks its GPU
-    world_size: int  # the number of processes
-
-
-def setup(rendezvous_timeout: float = 120) -> Place:
-    """Joins the process group, whoever started this process: srun, torchrun, or none.
-    Under srun, joining waits at most `rendezvous_timeout` seconds."""
-    place, launcher = find_place()
-    # For libraries that read them, as torchrun sets them.
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
-    os.environ.update(zip(names, map(str, place), strict=True))
-    # gloo (the main group on CPUs; side groups on GPUs) connects two processes only
-    # once they exchange data. Connected to all at the start, a group would hold a
-    # socket per other process: 511 at 512, of a usual limit of 1,024 open files.
-    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
-    backend = "nccl" if use_gpus() else "gloo"
-    if launcher == "torchrun":  # its rendezvous is done: env:// meets its store
-        dist.init_process_group(backend)
-        return place
-    if launcher == "single process":
-        store = dist.HashStore()  # no other process to meet
-    else:
-        store = rendezvous(place, rendezvous_timeout)
-    dist.init_process_group(
-        backend, store=store, rank=place.rank, world_size=place.world_size
-    )
-    return place
-
-
-def find_place() -> tuple[Place, str]:
-    """This process's place, from the variables of the launcher that started it."""
-    env = os.environ
-    launch = "Start one process per task with `srun python main.py` (job.sh does)"
-    # The batch script has SLURM_PROCID and SLURM_NTASKS too, but no step.
-    srun = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
-    variables = {"torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"), "srun": srun}
-    # pyxis copies srun's numbers into RANK, LOCAL_RANK and WORLD_SIZE: read them as
-    # srun's. rendezvous() serves from MASTER_ADDR's node, where rank 0 need not run.
-    copied = "TORCHELASTIC_RUN_ID" not in env and all(
-        env.get(a) == env.get(b) for a, b in zip(*variables.values(), strict=False)
-    )
-    for launcher in ["srun", "torchrun"] if copied else ["torchrun", "srun"]:
-        names = variables[launcher]
-        if all(name in env for name in names):
-            place = Place(*(int(env[name]) for name in names[:3]))
-            if not 0 <= place.rank < place.world_size:
-                raise SystemExit(
-                    f"error: rank {place.rank} does not fit a world of "
-                    f"{place.world_size}: {launcher}'s variables were set or changed "
-                    f"by hand. {launch}."
-                )
-            return place, launcher
-    if int(env.get("SLURM_NTASKS", "1")) > 1:
-        raise SystemExit(
-            "error: main.py was started by the batch script, not by srun. The job has "
-            f"{env['SLURM_NTASKS']} task(s); without srun only this process runs, and "
-            f"it would wait forever for the others. {launch}."
-        )
-    if found := [name for name in ("RANK", "OMPI_COMM_WORLD_RANK") if name in env]:
-        raise SystemExit(
-            f"error: cannot tell this process's rank (found {', '.join(found)}). "
-            "main.py reads RANK, LOCAL_RANK, WORLD_SIZE (torchrun) or SLURM_PROCID, "
-            "SLURM_LOCALID, SLURM_NTASKS (srun), or none of them (a single process)."
-        )
-    return Place(0, 0, 1), "single process"
-
-
-def rendezvous(place: Place, timeout: float) -> dist.TCPStore:
-    """The store where srun's tasks meet, at MASTER_ADDR:MASTER_PORT (job.sh exports
-    them: the job's first node). The first task on that node serves it."""
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if name not in os.environ:
-            raise SystemExit(
-                f"error: {name} is not set. job.sh exports MASTER_ADDR and MASTER_PORT "
-                "before srun; export them too when you launch by hand."
-            )
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    host = socket.gethostname()
-    # Not always rank 0: Slurm 26.05 numbers tasks by topology.conf, where there is one.
-    serves = os.environ["SLURM_NODEID"] == "0" and place.local_rank == 0
-    try:
-        return dist.TCPStore(
-            address, port, place.world_size, is_master=serves,
-            timeout=timedelta(seconds=timeout),
-        )  # fmt: skip
-    except dist.DistError as error:
-        if "EADDRINUSE" in str(error):
-            raise SystemExit(
-                f"error: rank {place.rank} cannot listen on port {port} of {host}: "
-                "another process holds it. job.sh derives MASTER_PORT from the job "
-                "ID; a port fixed by hand collides with other jobs on the node. Pick "
-                "another, from 10000-19999."
-            ) from None
-        raise SystemExit(
-            f"error: rank {place.rank} on {host} waited {timeout:.0f} s for the "
-            f"rendezvous at {address}:{port}, and not all {place.world_size} processes "
-            "joined. The first task on the job's first node serves the rendezvous: "
-            "check that MASTER_ADDR names that node, that the node is up and that its "
-            "tasks started.\n"
-            f"({type(error).__name__}: {str(error).splitlines()[0]})"
-        ) from None
-
-
-def use_gpus() -> bool:
-    """True to train on GPUs with NCCL, False on CPUs with gloo (TRAIN_ON_CPU=1 asks
-    for that). A task given GPUs that CUDA cannot use stops at once."""
-    if os.environ.get("TRAIN_ON_CPU") == "1":
-        return False
-    if torch.cuda.is_available():
-        return True
-    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    if gpus not in ("", "0") or visible not in ("", "-1", "NoDevFiles"):
-        raise SystemExit(
-            f"error: this task was given GPUs (SLURM_GPUS_ON_NODE={gpus}, "
-            f"CUDA_VISIBLE_DEVICES={visible}), but torch {torch.__version__} cannot "
-            "use them. Likely causes: a torch build without CUDA; an NVIDIA driver "
-            "older than the build needs (compare `nvidia-smi` with CUDA "
-            f"{torch.version.cuda}); a container started without its GPUs (apptainer "
-            "--nv). To train on CPUs anyway, set TRAIN_ON_CPU=1."
-        )
-    return False
-
-
-def get_device(local_rank: int) -> torch.device:
-    """This process's GPU, made its current device, or the CPU. Slurm may show a task
-    every GPU of its node or only its own (--gpu-bind, a MIG slice): a process that sees
-    one GPU takes it, else the one at its local rank."""
-    if not use_gpus():
-        return torch.device("cpu")
-    visible = torch.cuda.device_count()
-    index = 0 if visible == 1 else local_rank
-    if index >= visible:
-        raise SystemExit(
-            f"error: the process of local rank {local_rank} sees {visible} GPUs, none "
-            "of them its own. Ask for a GPU per process: as many GPUs per node as "
-            "processes per node."
-        )
-    device = torch.device("cuda", index)
-    torch.cuda.set_device(device)
-    return device
-
-
-def get_num_workers() -> int:
-    """DataLoader workers: this process's share of its task's CPUs, less one."""
-    # The CPUs Slurm bound the task to; where a site does not bind, the job's share.
-    affinity = getattr(os, "sched_getaffinity", None)  # macOS has none
-    cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
-    if "SLURM_CPUS_PER_TASK" in os.environ:
-        cpus = min(cpus, int(os.environ["SLURM_CPUS_PER_TASK"]))
-    # torchrun's processes share their task's CPUs.
-    return max(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1, 0)
-
-
-def end_with_rank(rank_pid: int, worker_id: int):
-    """A DataLoader worker's worker_init_fn: a thread ends the worker once process
-    `rank_pid`, which it loads for, has ended or sent it SIGTERM. Workers that are not
-    its children, or that block SIGTERM, would outlive a process killed out of memory,
-    say, holding the job's output open, or ignore multiprocessing's end at an error.
-    """
-
-    def watch():
-        while True:
-            # A SIGTERM from anyone else (Slurm signals the whole step) is dropped.
-            received = signal.sigtimedwait({signal.SIGTERM}, 1)
-            if received is not None and received.si_pid == rank_pid:
-                os._exit(0)
-            try:
-                os.kill(rank_pid, 0)  # signal 0: only asks whether it exists
-            except ProcessLookupError:
-                os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 if __name__ == "__main__":
     main()
-    dist.destroy_process_group()
