@@ -17,6 +17,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import main
+import checkpoint_files
 
 class Stall:
     def __reduce__(self):
@@ -44,11 +46,11 @@ extra = Stall() if stall else None
 # object to put in the state; and where the version is in what torch.load returns.
 SAVES = {
     "generic/checkpointing": (
-        'main.save_atomically({"version": version, "extra": extra}, path)',
+        'checkpoint_files.save_atomically({"version": version, "extra": extra}, path)',
         lambda checkpoint: checkpoint["version"],
     ),
     "mila/checkpointing": (
-        'main.save_atomically({"version": version, "extra": extra}, path)',
+        'checkpoint_files.save_atomically({"version": version, "extra": extra}, path)',
         lambda checkpoint: checkpoint["version"],
     ),
 }
@@ -106,7 +108,7 @@ CHECKPOINT_SAVE = (
     "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)\n"
     "scheduler.extra = extra\n"
     "train_log = types.SimpleNamespace(total=torch.zeros(()), steps=0)\n"
-    "main.Checkpoint(args).save(\n"
+    "main.Checkpoint(args, main.MAY_CHANGE_ON_RESUME).save(\n"
     "    model, optimizer, scheduler, main.Progress(steps=version), train_log\n"
     ")\n"
     "dist.destroy_process_group()"
@@ -117,7 +119,7 @@ CHECKPOINT_SAVE = (
 # (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_layout.py).
 def test_killed_mid_save_keeps_the_newest_checkpoints(tmp_path):
     name = "generic/checkpointing"
-    main = load_main(name)
+    main = load_main(name, "checkpoints.py")
     for version in (1, 2):
         save(name, CHECKPOINT_SAVE, tmp_path, version)
     save(name, CHECKPOINT_SAVE, tmp_path, 3, stall=True)
@@ -264,7 +266,7 @@ class Run:
         self.optimizer = torch.optim.AdamW(self.model.parameters())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1)
         self.train_log = self.main.TrainLog(torch.device("cpu"))
-        self.checkpoint = self.main.Checkpoint(args)
+        self.checkpoint = self.main.Checkpoint(args, self.main.MAY_CHANGE_ON_RESUME)
 
     def parts(self):
         return self.model, self.optimizer, self.scheduler
@@ -286,7 +288,8 @@ def step_4_args(folder: Path, *more: str):
 
 
 def names(folder: Path) -> list[str]:
-    return [p.name for p in load_main("generic/checkpointing").checkpoints(folder)]
+    module = load_main("generic/checkpointing", "checkpoints.py")
+    return [p.name for p in module.checkpoints(folder)]
 
 
 def cut_in_half(path: Path):
@@ -451,7 +454,7 @@ def test_storage_that_fails_to_read_is_tried_again_then_stops_the_run(
         return load(path, *rest, **options)
 
     monkeypatch.setattr(main.torch, "load", flaky)
-    monkeypatch.setattr(main.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
     run = Run(args)
     run.save(steps=4)
     run.save(steps=8)

@@ -3,6 +3,7 @@ launches it, must train correctly."""
 
 import dataclasses
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import tinyimagenet
 from smoke import (
     EXAMPLES,
+    EXAMPLES_DIR,
     GENERIC_SMOKE_ARGS,
     MORE_LAUNCHES,
     Launch,
@@ -333,3 +335,19 @@ def test_numbers_that_pyxis_copied_from_srun_are_read_as_srun_s(
         monkeypatch.setenv(name, value)
     place, found = main.find_place()
     assert (found, place) == (launcher, main.Place(5, 1, 8))
+
+
+# One folder of each kind: one process; srun and step 4's modules; torchrun; Lightning;
+# FSDP2.
+@pytest.mark.parametrize(
+    "name",
+    ["generic/single_gpu", "generic/checkpointing", "ibex/single_node",
+     "launchers/lightning", "generic/fsdp"],
+)  # fmt: skip
+def test_a_folder_copied_out_of_the_guide_runs_alone(name, tmp_path):
+    # A reader copies one folder: main.py must find everything it imports beside it,
+    # nothing in the rest of the repository.
+    folder = tmp_path / "copied"
+    shutil.copytree(EXAMPLES_DIR / name, folder, ignore=shutil.ignore_patterns("__*"))
+    run = run_example(name, folder=folder)
+    assert run.summaries and check_run(run) == [], run.output

@@ -195,7 +195,7 @@ GPUS_GIVEN = {
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_example_refuses_gpus_that_cuda_cannot_use(monkeypatch, name):
-    module = load_main(name)
+    module = load_main(name, "devices.py")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for variable, value in GPUS_GIVEN.items():
         monkeypatch.setenv(variable, value)
@@ -262,7 +262,7 @@ def test_without_gpus_an_example_trains_on_cpus_unasked():
 def test_a_process_takes_its_own_gpu_however_slurm_binds_them(
     monkeypatch, name, visible, local_rank, expected
 ):
-    module = load_main(name)
+    module = load_main(name, "devices.py")
     chosen = []
     monkeypatch.delenv("TRAIN_ON_CPU", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -290,7 +290,7 @@ def test_a_process_takes_its_own_gpu_however_slurm_binds_them(
     [
         n
         for n in NAMES
-        if "def get_num_workers" in (EXAMPLES_DIR / n / "main.py").read_text()
+        if "get_num_workers" in (EXAMPLES_DIR / n / "main.py").read_text()
     ],
 )
 @pytest.mark.parametrize(
@@ -309,7 +309,7 @@ def test_a_process_takes_its_own_gpu_however_slurm_binds_them(
 def test_workers_are_counted_from_the_cpus_a_process_may_use(
     monkeypatch, name, affinity, cpus_per_task, per_process
 ):
-    module = load_main(name)
+    module = load_main(name, "devices.py")
     monkeypatch.setattr(
         module.os, "sched_getaffinity", lambda pid: set(range(affinity))
     )

@@ -70,7 +70,7 @@ def main():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     logging.basicConfig(level=logging.WARNING)
     fsdp = load_main("generic/fsdp")
-    ddp = load_main("generic/checkpointing")
+    ddp = load_main("generic/checkpointing", "checkpoint_files.py")
     for size in options.sizes:
         folder = options.folder / size
         shutil.rmtree(folder, ignore_errors=True)

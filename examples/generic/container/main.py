@@ -11,26 +11,14 @@ Try the job before the data is in place:
 """
 
 import argparse
-import contextlib
-import errno
 import functools
-import itertools
 import json
 import logging
 import math
 import multiprocessing
-import multiprocessing.forkserver
-import multiprocessing.resource_tracker
 import os
-import random
-import re
-import shutil
-import signal
 import socket
-import subprocess
-import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -39,12 +27,14 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Subset
-from torch.utils.data.distributed import DistributedSampler
 from torchvision import models, transforms
 from torchvision.datasets import ImageFolder
 
-from devices import end_with_rank, get_device, get_num_workers, use_gpus
+from checkpoints import Checkpoint
+from devices import end_with_rank, get_device, get_num_workers
 from ranks import leave, setup
+from resumable_data import ResumableSampler, SeededSamples, start_fork_server
+from stopping import Agreement, requeue
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +138,8 @@ def main():
     line = f"%(asctime)s [{place.rank}/{place.world_size}] %(message)s"
     logging.basicConfig(level=logging.INFO, format=line, datefmt="%H:%M:%S")
     log.info(f"Running on {socket.gethostname()}, device {device}")
-    # From here on, only rank 0 logs: every process holds the same numbers.
-    log.setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
+    # From here on, only rank 0 logs (modules too): all processes hold the same numbers.
+    logging.getLogger().setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
 
     train_set, valid_set, num_classes = make_datasets(args)
     # DDP copies rank 0's initial weights to all: the seed matters on rank 0 only.
@@ -168,14 +158,12 @@ def main():
     global_batch = args.batch_size * place.world_size
     log.info(f"Global batch: {args.batch_size} x {place.world_size} = {global_batch}")
     progress, train_log = Progress(), TrainLog(device)
-    checkpoint = Checkpoint(args)
+    checkpoint = Checkpoint(args, MAY_CHANGE_ON_RESUME)
     checkpoint.load(model.module, optimizer, scheduler, progress, train_log)
     # From here on there is progress to lose: on SIGUSR1 or SIGTERM, stop and save.
     with Agreement(args.checkpoint_every) as agreement:
-        stopped_by = train(
-            args, model, optimizer, scheduler, loaders, progress, train_log,
-            checkpoint, agreement,
-        )  # fmt: skip
+        stopped_by = train(args, model, optimizer, scheduler, loaders, progress,
+                           train_log, checkpoint, agreement)  # fmt: skip
     if stopped_by:
         saved = "checkpoint saved" if checkpoint.failures == 0 else "save failed"
         log.warning(f"Stopped at step {progress.steps}, {saved}")
@@ -271,8 +259,8 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
     # Each process trains on its own 1/world_size of every epoch, shuffled by the
     # sampler. It pads the shares with repeated samples to make them equal.
     sampler = ResumableSampler(train_set, shuffle=True, seed=args.seed)
-    # The workers' seeds come from a generator of their own, not from torch's global
-    # random numbers, which training alone draws from (a checkpoint saves them).
+    # Each process seeds its own workers: with one seed everywhere, a random
+    # augmentation would draw the same numbers in every process.
     train_loader = DataLoader(
         SeededSamples(train_set, args.seed),
         sampler=sampler,
@@ -311,10 +299,8 @@ def make_scheduler(args, optimizer, steps_per_epoch: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train(
-    args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint,
-    agreement,
-):  # fmt: skip
+def train(args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint,
+          agreement):  # fmt: skip
     """Trains for --epochs, or --max-steps, and validates after every epoch, with a
     checkpoint every --checkpoint-every minutes and at each epoch's end; returns 0, or
     the signal that stopped it before, once the checkpoint is saved."""
@@ -464,128 +450,6 @@ def validate(model: nn.Module, loader: DataLoader, device: torch.device, agreeme
     return {"val_loss": loss / n, "val_accuracy": right / n, "val_samples": int(n)}
 
 
-# The signal that asked this process to stop, or 0. The handler only notes it: the
-# training loop acts on it between steps, where every rank can stop at the same point.
-stop_signal = 0
-
-
-def note_stop_signal(signum, frame):
-    global stop_signal
-    # SIGTERM wins over SIGUSR1: the job is ending anyway, and a requeue would fail.
-    stop_signal = max(stop_signal, signum)
-
-
-def catch_stop_signals():
-    """From here on there is progress to lose: on SIGUSR1 or SIGTERM, stop and save."""
-    signal.signal(signal.SIGUSR1, note_stop_signal)
-    signal.signal(signal.SIGTERM, note_stop_signal)
-
-
-class Agreement:
-    """What all ranks decide together between two steps: to stop, on a signal that any
-    rank got, or to save, once any rank's clock says that a checkpoint is due.
-
-    The flags are CPU tensors, combined over a gloo group of their own, sent at one step
-    and read at the next, at the same step on every rank: the GPU never waits for them.
-    """
-
-    def __init__(self, save_every_minutes: float):
-        catch_stop_signals()
-        self.group = dist.new_group(backend="gloo")
-        self.save_every = save_every_minutes * 60
-        self.sent, self.flags = None, None
-        self.stop = 0  # the signal the last decision stopped for, or 0
-        self.last_save, self.stale = time.monotonic(), False
-
-    def poll(self) -> tuple[int, bool]:
-        """The decision sent at the previous call: the stop signal, or 0, and whether
-        to save. Sends this rank's flags for the next."""
-        stop, save = 0, False
-        if self.sent is not None:
-            self.sent.wait()
-            stop, save = int(self.flags[0]), bool(self.flags[1]) and not self.stale
-        self.stale = False
-        due = time.monotonic() - self.last_save >= self.save_every
-        self.flags = torch.tensor([stop_signal, due])
-        self.sent = dist.all_reduce(
-            self.flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True
-        )
-        self.stop = stop
-        return stop, save
-
-    def saved(self):
-        """Restarts the clock: all ranks call it after the same save. The flags under
-        way were sent before it: their "save" is out of date."""
-        self.last_save, self.stale = time.monotonic(), self.sent is not None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        """Waits for the last flags sent: no collective is left under way."""
-        if self.sent is not None and exc[0] is None:
-            self.sent.wait()
-
-
-def start_fork_server():
-    """Starts the fork server of the DataLoader workers with the stop signals blocked:
-    Slurm signals every process of a step, and a worker killed by one would fail this
-    process before it could save."""
-    stop_signals = {signal.SIGTERM, signal.SIGUSR1}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-    try:
-        # The fork server needs multiprocessing's resource tracker, whose start unblocks
-        # SIGTERM again: start the tracker first, then block once more.
-        multiprocessing.resource_tracker.ensure_running()
-        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
-
-
-class SeededSamples(Dataset):
-    """The training set, each sample's random draws (torch's and Python's, as
-    torchvision's transforms make) seeded by the run's seed, the epoch and the index
-    alone: a resumed run's new workers make the very same batches. (Seed numpy's global
-    generator here too if your transforms draw from it.)"""
-
-    def __init__(self, dataset: Dataset, seed: int):
-        self.dataset, self.seed = dataset, seed
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]):
-        epoch, index = key  # from ResumableSampler
-        # A tuple of whole numbers hashes to the same number in every process and run.
-        seed = hash((self.seed, epoch, index))
-        python_state = random.getstate()
-        # Training's own random numbers stay as they were: with num_workers 0, this runs
-        # in the training process.
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)
-            random.seed(seed)
-            try:
-                return self.dataset[index]
-            finally:
-                random.setstate(python_state)
-
-
-class ResumableSampler(DistributedSampler):
-    """A DistributedSampler that can start an epoch part-way: it skips the samples
-    that the interrupted run already trained on, in the epoch's same order."""
-
-    skip = 0
-
-    def __iter__(self):
-        # Each index with its epoch, for SeededSamples.
-        indices = itertools.islice(super().__iter__(), self.skip, None)
-        return ((self.epoch, index) for index in indices)
-
-    def __len__(self):
-        return max(self.num_samples - self.skip, 0)
-
-
 # The arguments that a resumed run may change: where things are, how often it logs and
 # saves, how long it trains. Every other one shapes training, your own arguments
 # included: a checkpoint written with another value of one belongs to another run.
@@ -594,316 +458,6 @@ MAY_CHANGE_ON_RESUME = {
     "checkpoint_dir", "checkpoint_every", "checkpoint_every_steps", "keep_checkpoints",
     "max_failed_saves", "max_restarts",
 }  # fmt: skip
-
-
-class Checkpoint:
-    """The run's checkpoints: files named by their step, each with all it takes to
-    continue exactly. The newest --keep-checkpoints are kept."""
-
-    def __init__(self, args):
-        self.root = args.checkpoint_dir
-        self.keep = args.keep_checkpoints
-        self.every_steps = args.checkpoint_every_steps
-        # Every argument, as plain values (a Path as its text, a tuple as a list):
-        # torch.load with weights_only=True, which load() uses, refuses other objects.
-        self.arguments = json.loads(json.dumps(vars(args), default=str))
-        self.settings = {
-            name: value
-            for name, value in sorted(self.arguments.items())
-            if name not in MAY_CHANGE_ON_RESUME
-        }
-        # The other ranks wait in this group while rank 0 reads or writes, for up to an
-        # hour: a file system that blocks (Lustre, NFS) may outlast the default group's
-        # timeout (10 minutes with NCCL), which would end every rank. Past the hour, the
-        # storage counts as gone: every rank fails, and job.sh requeues the job.
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(hours=1))
-        self.max_failures, self.failures = args.max_failed_saves, 0
-
-    def due(self, steps: int) -> bool:
-        """Whether --checkpoint-every-steps asks for a save after `steps` steps."""
-        return self.every_steps is not None and steps % self.every_steps == 0
-
-    def save(self, model, optimizer, scheduler, progress, train_log):
-        """Writes a checkpoint, with each rank's random state and unlogged losses. If
-        the write fails, training goes on from the same state: see failed()."""
-        mine = {"cpu_rng": torch.get_rng_state(), "losses": train_log.total.cpu()}
-        mine["losses_steps"] = train_log.steps
-        if use_gpus():
-            mine["cuda_rng"] = torch.cuda.get_rng_state()
-        ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, ranks, dst=0)
-        error = None
-        if dist.get_rank() == 0:
-            begin = time.perf_counter()
-            state = {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "progress": asdict(progress),
-                "settings": self.settings,
-                "arguments": self.arguments,
-                "ranks": ranks,
-            }
-            path = self.root / f"step-{progress.steps:08d}.pt"
-            try:
-                save_atomically(state, path)
-            except Exception as failure:  # a full disk or quota, storage away a while
-                error = f"{path}: {failure}"
-                log.warning(f"Could not save {error}")
-            else:
-                # Only now, with the new one on disk, the oldest go, never a later one.
-                # One that cannot be deleted (in use over NFS, say) stays, and the next
-                # save tries again.
-                for older in checkpoints(self.root, progress.steps)[: -self.keep]:
-                    try:
-                        older.unlink()
-                    except OSError as failure:
-                        log.warning(f"Could not delete {older}: {failure}")
-                log.info(f"Saved {path} in {time.perf_counter() - begin:.1f} s")
-        # No rank goes on, or exits, before the file is complete, or has failed.
-        outcome = [error]
-        dist.broadcast_object_list(outcome, src=0, group=self.group)
-        self.failed(outcome[0])
-
-    def failed(self, error: str | None):
-        """Counts the saves that failed in a row. Training goes on after one: the
-        checkpoints before it are still there, and the next save tries again. After
-        --max-failed-saves of them, stops the job, for a person to look."""
-        self.failures = 0 if error is None else self.failures + 1
-        if self.failures >= self.max_failures:
-            stop_for_good(
-                self.root,
-                f"error: {self.failures} checkpoints in a row could not be saved, "
-                f"the last one to {error}. Free space in {self.root} or fix what the "
-                "error names, then resubmit: the run resumes from its last checkpoint.",
-            )
-
-    def load(self, model, optimizer, scheduler, progress, train_log):
-        """Restores the newest checkpoint, if any, with this rank's own state."""
-        # Rank 0 chooses, for all: on a network file system, nodes can list a folder
-        # differently for a while.
-        chosen = [readable_checkpoint(self.root) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(chosen, src=0, group=self.group)
-        if isinstance(path := chosen[0], str):  # checkpoints, none of which loads
-            stop_for_good(self.root, path)
-        if path is None:
-            return
-        begin = time.perf_counter()
-        # weights_only: tensors and containers, no code run. mmap: tensors are read
-        # from the file as they are copied in, with no copy per process first.
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        self.check(state, path)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        # What the optimizer keeps as it comes (its step counts; on CPUs, all of it)
-        # would stay mapped to the file, which a later save deletes: copy it.
-        for values in optimizer.state.values():
-            for key, value in values.items():
-                if isinstance(value, Tensor) and value.device.type == "cpu":
-                    values[key] = value.clone()
-        scheduler.load_state_dict(state["scheduler"])
-        vars(progress).update(state["progress"])
-        mine = state["ranks"][dist.get_rank()]
-        torch.set_rng_state(mine["cpu_rng"])
-        if use_gpus() and "cuda_rng" in mine:
-            torch.cuda.set_rng_state(mine["cuda_rng"])
-        train_log.total.copy_(mine["losses"])
-        train_log.steps = mine["losses_steps"]
-        seconds = time.perf_counter() - begin
-        log.info(f"Resumed from {path} at step {progress.steps}, in {seconds:.1f} s")
-
-    def check(self, state: dict, path: Path):
-        """Stops with the cause when the checkpoint belongs to another run."""
-        written_by, world_size = len(state["ranks"]), dist.get_world_size()
-        if written_by != world_size:
-            raise SystemExit(
-                f"error: {path} was written by {written_by} processes, and this "
-                f"job has {world_size}. Resume with the same number of tasks, or give "
-                "a new --checkpoint-dir to start over."
-            )
-        if other := changes(state["settings"], self.settings):
-            raise SystemExit(
-                f"error: {path} belongs to a run with other settings ({other}). "
-                "Resume with the same settings, or start a new run: another "
-                f"--job-name, or delete {self.root}."
-            )
-        # Those that may change, said: some change the numbers, if not the run (in the
-        # template, --bf16 on a GPU without bf16).
-        if changed := changes(state.get("arguments", self.arguments), self.arguments):
-            log.info(f"Changed since {path.name}: {changed}")
-
-
-def changes(old: dict, new: dict) -> str:
-    """The values that differ between two sets of arguments, as `--name old -> new`.
-    An argument that one set lacks counts as None: a new one whose default is None
-    changes nothing."""
-    return ", ".join(
-        f"--{name.replace('_', '-')} {old.get(name)} -> {new.get(name)}"
-        for name in sorted(old.keys() | new.keys())
-        if old.get(name) != new.get(name)
-    )
-
-
-# A complete checkpoint's name. One being written ends in ".tmp".
-CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
-
-
-def checkpoints(root: Path, last_step: float = math.inf) -> list[Path]:
-    """The complete checkpoints in `root`, up to step `last_step`, oldest first."""
-    steps = {p: int(m[1]) for p in root.glob("step-*.pt")
-             if (m := CHECKPOINT_NAME.fullmatch(p.name))}  # fmt: skip
-    return sorted((p for p in steps if steps[p] <= last_step), key=steps.get)
-
-
-def readable_checkpoint(root: Path) -> Path | str | None:
-    """The newest checkpoint in `root` that loads, or None if there is none. If there
-    are some and none loads, or the storage cannot read one, the error instead, for a
-    person: starting over would lose them. One that does not load (damaged, or with
-    settings that no longer load) is moved into unreadable/, with a warning, for the one
-    before it: left, it would stay the newest. Files of saves that a kill cut short
-    (.tmp) are deleted."""
-    for leftover in root.glob("step-*.pt.tmp"):
-        log.warning(f"Deleting {leftover}, left by a save that did not end")
-        leftover.unlink(missing_ok=True)
-    errors = {}
-    for path in reversed(checkpoints(root)):
-        try:
-            load_index(path)
-        except Exception as error:  # a damaged file can raise one of several errors
-            if getattr(error, "errno", None) in STORAGE_ERRORS:
-                return f"error: cannot read {path}: {error}. Resubmit once it reads."
-            errors[path] = error
-            continue
-        for newer, error in errors.items():
-            (aside := root / "unreadable" / newer.name).parent.mkdir(exist_ok=True)
-            log.warning(f"Moving {newer} to {aside}: it does not load ({error})")
-            newer.rename(aside)
-        return path
-    if not errors:
-        return None
-    newest, error = next(iter(errors.items()))
-    return (
-        f"error: none of the {len(errors)} checkpoints in {root} loads; the newest, "
-        f"{newest.name}: {error}\nA run that resumed would start over. Fix the cause, "
-        "or move the folder away to start a new run."
-    )
-
-
-# The storage's errors, not the file's: a server away, a file handle gone stale.
-STORAGE_ERRORS = {errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.ENOTCONN}
-
-
-def load_index(path: Path) -> dict:
-    """The checkpoint in `path` with its tensors mapped, not read: a check of its index.
-    Where the storage fails to read it, tried again every 10 s for a minute."""
-    for _ in range(6):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except OSError as error:
-            if error.errno not in STORAGE_ERRORS:
-                raise
-            log.warning(f"Cannot read {path} ({error}): trying again in 10 s")
-            time.sleep(10)
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-
-
-def save_atomically(state: dict, path: Path):
-    """Writes `state` to `path` so that a reader finds the old file or the new."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            # On disk before the rename: a crash of the node cannot leave an empty file.
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write: no part of a file left behind
-        raise
-    # A rename within one folder replaces the old file in one step.
-    os.replace(tmp, path)
-    # The rename is a change to the folder: on disk too, or a crash can undo it.
-    folder = os.open(path.parent, os.O_RDONLY)
-    os.fsync(folder)
-    os.close(folder)
-
-
-def requeue(stopped_by: int, max_restarts: int, folder: Path):
-    """Puts this job back in the queue after a stop: Slurm ends it now and starts it
-    again later. After SIGUSR1, the warning of the time limit, always. After SIGTERM,
-    only if Slurm is not ending the job: SIGTERM comes with a preemption (which Slurm
-    requeues), a time limit or `scancel`, but also to the tasks alone (a stale kill of
-    a lost node's, `scancel --signal=TERM`), and then the job would end COMPLETED,
-    unfinished. Not after `max_restarts`: a job that cannot finish would loop for good.
-    """
-    if (job_id := os.environ.get("SLURM_JOB_ID")) is None:
-        return  # not a Slurm job
-    if stopped_by == signal.SIGTERM and slurm_ends(job_id) is not False:
-        return  # Slurm ends it (or may: no answer)
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-    resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
-    if restarts >= max_restarts:
-        stop_for_good(
-            folder,
-            f"error: job {job_id} is not requeued: it has started {restarts + 1} "
-            f"times, and --max-restarts is {max_restarts}. {resubmit}",
-        )
-    if shutil.which("scontrol") is None:  # in a container, say: job.sh requeues
-        log.info(f"No scontrol here: asking job.sh to requeue job {job_id}")
-        (folder / "requeue").touch()
-        return
-    log.info(f"Requeueing job {job_id}")
-    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue. The requeue
-    # ends every process of the job, scontrol included: SIGTERM is success. So is a job
-    # no longer running: a try whose answer was lost may have requeued it.
-    result = scontrol("requeue", job_id)
-    if result.returncode not in (0, -signal.SIGTERM) and slurm_ends(job_id) is not True:
-        stop_for_good(
-            folder,
-            f"error: `scontrol requeue {job_id}` failed, so the job will not start "
-            f"again by itself. {resubmit}",
-        )
-
-
-def slurm_ends(job_id: str) -> bool | None:
-    """Whether Slurm is ending the job: no longer running (cancelled, timed out,
-    requeued), or preempted, in its grace time; None where no scontrol answers."""
-    show = scontrol("show", "job", "--oneliner", job_id)
-    if show is None or show.returncode != 0:
-        return None
-    job = dict(item.split("=", 1) for item in show.stdout.split() if "=" in item)
-    # PreemptTime is only shown where preemption is on.
-    return job.get("JobState") != "RUNNING" or job.get("PreemptTime", "None") != "None"
-
-
-def scontrol(*args: str) -> subprocess.CompletedProcess | None:
-    """`scontrol ARGS`, tried again every 5 s while Slurm's controller does not answer
-    (a restart, a failover), for 90 s, but never past 15 s before the time limit. None
-    where there is no scontrol (in a container)."""
-    if shutil.which("scontrol") is None:
-        return None
-    end = min(time.time() + 90, int(os.environ.get("SLURM_JOB_END_TIME", 2e9)) - 15)
-    while True:
-        try:
-            result = subprocess.run(["scontrol", *args], capture_output=True, text=True,
-                                    timeout=max(end - time.time(), 1))  # fmt: skip
-        except subprocess.TimeoutExpired as error:
-            result = subprocess.CompletedProcess(error.cmd, 1, "", "no answer in time")
-        if result.stderr.strip():
-            log.warning(f"scontrol {' '.join(args)}: {result.stderr.strip()}")
-        away = re.search("contact slurm controller|timed out|in time", result.stderr)
-        if result.returncode <= 0 or not away or time.time() + 5 > end:
-            return result
-        time.sleep(5)
-
-
-def stop_for_good(folder: Path, message: str):
-    """Ends this process with `message`, an error that a person must act on. Its mark
-    in the checkpoint folder tells job.sh not to requeue the job."""
-    # On a full disk, say, the mark may fail: job.sh's limit on requeues still holds.
-    with contextlib.suppress(OSError):
-        (folder / "stopped-on-error").touch()
-    raise SystemExit(message)
 
 
 if __name__ == "__main__":

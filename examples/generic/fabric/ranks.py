@@ -2,8 +2,8 @@
 job from the variables of whatever started it (srun, torchrun, or nothing), meets the
 job's other processes, and joins the process group, NCCL on GPUs, gloo on CPUs.
 
-The guide keeps one source of this file, examples/shared/ranks.py, and copies it into
-every example that uses it (`nox -s copies`): edit that one.
+The guide keeps one source of this file, examples/shared/ranks.py, and
+copies it into every example that uses it (`nox -s copies`): edit that one.
 """
 
 import gc

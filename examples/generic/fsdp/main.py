@@ -24,20 +24,14 @@ Try the job before the data is in place, as a run of its own name:
 import argparse
 import contextlib
 import functools
-import itertools
 import json
 import logging
 import math
 import multiprocessing
-import multiprocessing.forkserver
-import multiprocessing.resource_tracker
 import os
-import random
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -55,10 +49,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, Subset
-from torch.utils.data.distributed import DistributedSampler
 
+from checkpoint_files import changes, save_atomically
 from devices import end_with_rank, get_device, get_num_workers
 from ranks import leave, setup
+from resumable_data import ResumableSampler, SeededSamples, start_fork_server
+from stopping import Agreement, requeue, stop_for_good
 
 log = logging.getLogger(__name__)
 
@@ -294,8 +290,8 @@ def main():
     line = f"%(asctime)s [{place.rank}/{place.world_size}] %(message)s"
     logging.basicConfig(level=logging.INFO, format=line, datefmt="%H:%M:%S")
     log.info(f"Running on {socket.gethostname()}, device {device}")
-    # From here on, only rank 0 logs: every process holds the same numbers.
-    log.setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
+    # From here on, only rank 0 logs (modules too): all processes hold the same numbers.
+    logging.getLogger().setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
     log.info(f"Speed settings: {json.dumps(speed_settings(args, device))}")
 
     train_set, valid_set, num_classes = make_datasets(args)
@@ -321,10 +317,8 @@ def main():
     checkpoint.load(model, optimizer, scheduler, progress, train_log)
     # From here on there is progress to lose: on SIGUSR1 or SIGTERM, stop and save.
     with Agreement(args.checkpoint_every) as agreement:
-        stopped_by = train(
-            args, model, optimizer, scheduler, loaders, progress, train_log,
-            checkpoint, agreement,
-        )  # fmt: skip
+        stopped_by = train(args, model, optimizer, scheduler, loaders, progress,
+                           train_log, checkpoint, agreement)  # fmt: skip
     if stopped_by:
         saved = "checkpoint saved" if checkpoint.failures == 0 else "save failed"
         log.warning(f"Stopped at step {progress.steps}, {saved}")
@@ -554,8 +548,8 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
     # step 5 repeats some: a step's global batch is then the same samples on any
     # number of processes, and a checkpoint resumes on another number.
     sampler = ResumableSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
-    # The workers' seeds come from a generator of their own, not from torch's global
-    # random numbers, which training alone draws from (a checkpoint saves them).
+    # Each process seeds its own workers: with one seed everywhere, a random
+    # augmentation would draw the same numbers in every process.
     train_loader = DataLoader(
         SeededSamples(train_set, args.seed),
         sampler=sampler,
@@ -589,10 +583,8 @@ def make_scheduler(args, optimizer, steps_per_epoch: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train(
-    args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint,
-    agreement,
-):  # fmt: skip
+def train(args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint,
+          agreement):  # fmt: skip
     """Trains for --epochs, or --max-steps, and validates after every epoch, with a
     checkpoint every --checkpoint-every minutes and at each epoch's end; returns 0, or
     the signal that stopped it before, once the checkpoint is saved."""
@@ -897,128 +889,6 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-# The signal that asked this process to stop, or 0. The handler only notes it: the
-# training loop acts on it between steps, where every rank can stop at the same point.
-stop_signal = 0
-
-
-def note_stop_signal(signum, frame):
-    global stop_signal
-    # SIGTERM wins over SIGUSR1: the job is ending anyway, and a requeue would fail.
-    stop_signal = max(stop_signal, signum)
-
-
-def catch_stop_signals():
-    """From here on there is progress to lose: on SIGUSR1 or SIGTERM, stop and save."""
-    signal.signal(signal.SIGUSR1, note_stop_signal)
-    signal.signal(signal.SIGTERM, note_stop_signal)
-
-
-class Agreement:
-    """What all ranks decide together between two steps: to stop, on a signal that any
-    rank got, or to save, once any rank's clock says that a checkpoint is due.
-
-    The flags are CPU tensors, combined over a gloo group of their own, sent at one step
-    and read at the next, at the same step on every rank: the GPU never waits for them.
-    """
-
-    def __init__(self, save_every_minutes: float):
-        catch_stop_signals()
-        self.group = dist.new_group(backend="gloo")
-        self.save_every = save_every_minutes * 60
-        self.sent, self.flags = None, None
-        self.stop = 0  # the signal the last decision stopped for, or 0
-        self.last_save, self.stale = time.monotonic(), False
-
-    def poll(self) -> tuple[int, bool]:
-        """The decision sent at the previous call: the stop signal, or 0, and whether
-        to save. Sends this rank's flags for the next."""
-        stop, save = 0, False
-        if self.sent is not None:
-            self.sent.wait()
-            stop, save = int(self.flags[0]), bool(self.flags[1]) and not self.stale
-        self.stale = False
-        due = time.monotonic() - self.last_save >= self.save_every
-        self.flags = torch.tensor([stop_signal, due])
-        self.sent = dist.all_reduce(
-            self.flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True
-        )
-        self.stop = stop
-        return stop, save
-
-    def saved(self):
-        """Restarts the clock: all ranks call it after the same save. The flags under
-        way were sent before it: their "save" is out of date."""
-        self.last_save, self.stale = time.monotonic(), self.sent is not None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        """Waits for the last flags sent: no collective is left under way."""
-        if self.sent is not None and exc[0] is None:
-            self.sent.wait()
-
-
-def start_fork_server():
-    """Starts the fork server of the DataLoader workers with the stop signals blocked:
-    Slurm signals every process of a step, and a worker killed by one would fail this
-    process before it could save."""
-    stop_signals = {signal.SIGTERM, signal.SIGUSR1}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-    try:
-        # The fork server needs multiprocessing's resource tracker, whose start unblocks
-        # SIGTERM again: start the tracker first, then block once more.
-        multiprocessing.resource_tracker.ensure_running()
-        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
-
-
-class SeededSamples(Dataset):
-    """The training set, each sample's random draws (torch's and Python's, as
-    torchvision's transforms make) seeded by the run's seed, the epoch and the index
-    alone: a resumed run's new workers make the very same batches. (Seed numpy's global
-    generator here too if your transforms draw from it.)"""
-
-    def __init__(self, dataset: Dataset, seed: int):
-        self.dataset, self.seed = dataset, seed
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]):
-        epoch, index = key  # from ResumableSampler
-        # A tuple of whole numbers hashes to the same number in every process and run.
-        seed = hash((self.seed, epoch, index))
-        python_state = random.getstate()
-        # Training's own random numbers stay as they were: with num_workers 0, this runs
-        # in the training process.
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)
-            random.seed(seed)
-            try:
-                return self.dataset[index]
-            finally:
-                random.setstate(python_state)
-
-
-class ResumableSampler(DistributedSampler):
-    """A DistributedSampler that can start an epoch part-way: it skips the samples
-    that the interrupted run already trained on, in the epoch's same order."""
-
-    skip = 0
-
-    def __iter__(self):
-        # Each index with its epoch, for SeededSamples.
-        indices = itertools.islice(super().__iter__(), self.skip, None)
-        return ((self.epoch, index) for index in indices)
-
-    def __len__(self):
-        return max(self.num_samples - self.skip, 0)
-
-
 # The arguments that a resumed run may change: where things are, how often it logs and
 # saves, how long it trains, how fast. Every other one shapes training, your own
 # arguments included: a checkpoint written with another value of one belongs to another
@@ -1207,17 +1077,6 @@ class Checkpoint:
             log.info(f"Changed since {path.name}: {changed}")
 
 
-def changes(old: dict, new: dict) -> str:
-    """The values that differ between two sets of arguments, as `--name old -> new`.
-    An argument that one set lacks counts as None: a new one whose default is None
-    changes nothing."""
-    return ", ".join(
-        f"--{name.replace('_', '-')} {old.get(name)} -> {new.get(name)}"
-        for name in sorted(old.keys() | new.keys())
-        if old.get(name) != new.get(name)
-    )
-
-
 # A complete checkpoint's folder. One being written ends in ".tmp".
 CHECKPOINT_NAME = re.compile(r"epoch-(\d+)-step-(\d+)")
 UNFINISHED_NAME = re.compile(r"epoch-\d+-step-\d+\.tmp")
@@ -1327,105 +1186,6 @@ def check_complete(path: Path):
             "storage that every node sees, not a node's own disk. Delete the folder to "
             "resume from an earlier checkpoint, if there is one, or to start over."
         )
-
-
-def save_atomically(state: dict, path: Path):
-    """Writes `state` to `path` so that a reader finds the old file or the new."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            # On disk before the rename: a crash of the node cannot leave an empty file.
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write: no part of a file left behind
-        raise
-    # A rename within one folder replaces the old file in one step.
-    os.replace(tmp, path)
-    # The rename is a change to the folder: on disk too, or a crash can undo it.
-    folder = os.open(path.parent, os.O_RDONLY)
-    os.fsync(folder)
-    os.close(folder)
-
-
-def requeue(stopped_by: int, max_restarts: int, folder: Path):
-    """Puts this job back in the queue after a stop: Slurm ends it now and starts it
-    again later. After SIGUSR1, the warning of the time limit, always. After SIGTERM,
-    only if Slurm is not ending the job: SIGTERM comes with a preemption (which Slurm
-    requeues), a time limit or `scancel`, but also to the tasks alone (a stale kill of
-    a lost node's, `scancel --signal=TERM`), and then the job would end COMPLETED,
-    unfinished. Not after `max_restarts`: a job that cannot finish would loop for good.
-    """
-    if (job_id := os.environ.get("SLURM_JOB_ID")) is None:
-        return  # not a Slurm job
-    if stopped_by == signal.SIGTERM and slurm_ends(job_id) is not False:
-        return  # Slurm ends it (or may: no answer)
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-    resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
-    if restarts >= max_restarts:
-        stop_for_good(
-            folder,
-            f"error: job {job_id} is not requeued: it has started {restarts + 1} "
-            f"times, and --max-restarts is {max_restarts}. {resubmit}",
-        )
-    if shutil.which("scontrol") is None:  # in a container, say: job.sh requeues
-        log.info(f"No scontrol here: asking job.sh to requeue job {job_id}")
-        (folder / "requeue").touch()
-        return
-    log.info(f"Requeueing job {job_id}")
-    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue. The requeue
-    # ends every process of the job, scontrol included: SIGTERM is success. So is a job
-    # no longer running: a try whose answer was lost may have requeued it.
-    result = scontrol("requeue", job_id)
-    if result.returncode not in (0, -signal.SIGTERM) and slurm_ends(job_id) is not True:
-        stop_for_good(
-            folder,
-            f"error: `scontrol requeue {job_id}` failed, so the job will not start "
-            f"again by itself. {resubmit}",
-        )
-
-
-def slurm_ends(job_id: str) -> bool | None:
-    """Whether Slurm is ending the job: no longer running (cancelled, timed out,
-    requeued), or preempted, in its grace time; None where no scontrol answers."""
-    show = scontrol("show", "job", "--oneliner", job_id)
-    if show is None or show.returncode != 0:
-        return None
-    job = dict(item.split("=", 1) for item in show.stdout.split() if "=" in item)
-    # PreemptTime is only shown where preemption is on.
-    return job.get("JobState") != "RUNNING" or job.get("PreemptTime", "None") != "None"
-
-
-def scontrol(*args: str) -> subprocess.CompletedProcess | None:
-    """`scontrol ARGS`, tried again every 5 s while Slurm's controller does not answer
-    (a restart, a failover), for 90 s, but never past 15 s before the time limit. None
-    where there is no scontrol (in a container)."""
-    if shutil.which("scontrol") is None:
-        return None
-    end = min(time.time() + 90, int(os.environ.get("SLURM_JOB_END_TIME", 2e9)) - 15)
-    while True:
-        try:
-            result = subprocess.run(["scontrol", *args], capture_output=True, text=True,
-                                    timeout=max(end - time.time(), 1))  # fmt: skip
-        except subprocess.TimeoutExpired as error:
-            result = subprocess.CompletedProcess(error.cmd, 1, "", "no answer in time")
-        if result.stderr.strip():
-            log.warning(f"scontrol {' '.join(args)}: {result.stderr.strip()}")
-        away = re.search("contact slurm controller|timed out|in time", result.stderr)
-        if result.returncode <= 0 or not away or time.time() + 5 > end:
-            return result
-        time.sleep(5)
-
-
-def stop_for_good(folder: Path, message: str):
-    """Ends this process with `message`, an error that a person must act on. Its mark
-    in the checkpoint folder tells job.sh not to requeue the job."""
-    # On a full disk, say, the mark may fail: job.sh's limit on requeues still holds.
-    with contextlib.suppress(OSError):
-        (folder / "stopped-on-error").touch()
-    raise SystemExit(message)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Where this process computes, and with how many DataLoader workers: its GPU (CUDA and
 NCCL) when it has one, the CPU (gloo) when it has none or TRAIN_ON_CPU=1 asks for it.
 
-The guide keeps one source of this file, examples/shared/devices.py, and copies it into
-every example that uses it (`nox -s copies`): edit that one.
+The guide keeps one source of this file, examples/shared/devices.py, and
+copies it into every example that uses it (`nox -s copies`): edit that one.
 """
 
 import os

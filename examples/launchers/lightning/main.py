@@ -164,8 +164,8 @@ def main():
     # Lightning's device: the GPU of the local rank, the one get_device() chose.
     device = trainer.strategy.root_device
     log.info(f"Running on {socket.gethostname()}, device {device}")
-    # From here on, only rank 0 logs: every process holds the same numbers.
-    log.setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
+    # From here on, only rank 0 logs (modules too): all processes hold the same numbers.
+    logging.getLogger().setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
     global_batch = args.batch_size * place.world_size
     log.info(f"Global batch: {args.batch_size} x {place.world_size} = {global_batch}")
     # Resumes from the checkpoint of the last stop, if there is one.

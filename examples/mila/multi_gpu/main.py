@@ -135,8 +135,8 @@ def main():
     line = f"%(asctime)s [{place.rank}/{place.world_size}] %(message)s"
     logging.basicConfig(level=logging.INFO, format=line, datefmt="%H:%M:%S")
     log.info(f"Running on {socket.gethostname()}, device {device}")
-    # From here on, only rank 0 logs: every process holds the same numbers.
-    log.setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
+    # From here on, only rank 0 logs (modules too): all processes hold the same numbers.
+    logging.getLogger().setLevel(logging.INFO if place.rank == 0 else logging.WARNING)
 
     train_set, valid_set, num_classes = make_datasets(args)
     # DDP copies rank 0's initial weights to all: the seed matters on rank 0 only.
