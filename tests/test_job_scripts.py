@@ -1,11 +1,13 @@
 """Every job.sh parses, passes shellcheck, and hands on its arguments and GPUs."""
 
+import fnmatch
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from smoke import load_main
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 JOB_SCRIPTS = sorted(EXAMPLES.glob("**/job.sh"))
@@ -107,3 +109,42 @@ def test_every_resuming_script_asks_slurm_again_and_waits_out_a_grace_time():
         assert all("ask_slurm scontrol" in c or c == record for c in calls), calls
         assert OLD_SLURM in text and "sleep infinity" in text, name
     assert len(functions) == 1, "the job.sh files ask Slurm again in different ways"
+
+
+# The checkpointing steps' job.sh and main.py share files in the checkpoint folder:
+# the checkpoints, whose newest job.sh finds to tell whether a start saved one, and the
+# marks that main.py leaves (stopping.py). The names are spelled in main.py's modules;
+# each job.sh must spell them alike.
+CHECKPOINTING = [p for p in JOB_SCRIPTS if (p.parent / "stopping.py").exists()]
+
+
+@pytest.mark.parametrize(
+    "script", CHECKPOINTING, ids=[p.parent.name for p in CHECKPOINTING]
+)
+def test_job_sh_and_main_py_name_the_shared_files_alike(script):
+    assert len(CHECKPOINTING) == 5
+    text = script.read_text()
+    folder = str(script.parent.relative_to(EXAMPLES))
+    stopping = load_main(folder, "stopping.py")
+    for mark in (stopping.STOPPED_MARK, stopping.REQUEUE_MARK):
+        # Cleared at each start, then read after srun.
+        assert re.search(rf'rm -f .*"\$CHECKPOINT_DIR/{mark}"', text), mark
+        assert f"-e $CHECKPOINT_DIR/{mark}" in text, mark
+    # The newest checkpoint: job.sh's find, against the names that main.py writes.
+    [(complete, partial)] = re.findall(r'-name "([^"]+)" ! -name "([^"]+)"', text)
+    if (script.parent / "checkpoints.py").exists():
+        checkpoints = load_main(
+            str(script.parent.relative_to(EXAMPLES)), "checkpoints.py"
+        )
+        names = [checkpoints.CHECKPOINT_FILE.format(steps=s) for s in (9, 10, 1200)]
+        assert all(checkpoints.CHECKPOINT_NAME.fullmatch(n) for n in names)
+    else:  # FSDP2's folders, one per checkpoint
+        fsdp = load_main("generic/fsdp")
+        names = [f"epoch-{e:04d}-step-{s:08d}" for e, s in ((0, 9), (0, 10), (1, 1200))]
+        assert all(fsdp.CHECKPOINT_NAME.fullmatch(n) for n in names)
+    for name in names:
+        assert fnmatch.fnmatch(name, complete), name
+        assert not fnmatch.fnmatch(name, partial), name
+        assert fnmatch.fnmatch(name + ".tmp", partial), name
+    # job.sh takes the last by `sort`: the names sort as their steps do.
+    assert sorted(names) == names
