@@ -116,6 +116,23 @@ def test_python_run_by_the_batch_script_is_refused(name):
     assert "The job has 4 task(s)" in run.output
 
 
+@pytest.mark.parametrize("name", ["generic/single_gpu", "mila/single_gpu"])
+@pytest.mark.parametrize(
+    ("launch", "variable"),
+    [
+        (Launch("srun", tasks_per_node=2), "SLURM_STEP_NUM_TASKS"),
+        (Launch("torchrun", procs_per_task=2), "WORLD_SIZE"),
+    ],
+)
+def test_step_one_refuses_to_run_as_several_processes(name, launch, variable):
+    # Step 1 joins no process group: started twice, each process would train alone,
+    # both on the node's first GPU. Every process stops at once, and says why.
+    launch = dataclasses.replace(launch, args=EXAMPLES[name].args)
+    run = failed_run(name, launch)
+    assert run.output.count(f"started as one of 2 ({variable})") == 2, run.output
+    assert not run.summaries
+
+
 @pytest.mark.parametrize("name", SRUN_EXAMPLES)
 def test_rank_outside_the_task_count_is_refused(name):
     launch = Launch("srun", tasks_per_node=1, args=EXAMPLES[name].args)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import models, transforms
 from torchvision.datasets import ImageFolder
 
-from devices import end_with_rank, get_device, get_num_workers
+from devices import check_one_process, end_with_rank, get_device, get_num_workers
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ def check_dataset(data_dir: Path | None):
 
 def main():
     args = parse_args()
+    check_one_process()  # refuses a launch of several processes: see step 2 for that
     device = get_device(local_rank=0)  # one process: the node's first GPU
     # Plain lines with a time stamp: a batch job's output is a file.
     line = "%(asctime)s %(message)s"
