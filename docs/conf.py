@@ -1,6 +1,8 @@
 """Sphinx configuration for Distributed PyTorch on Slurm."""
 
+import io
 import os
+import stat
 import sys
 import zipfile
 from pathlib import Path
@@ -51,19 +53,28 @@ copybutton_exclude = ".linenos, .gp"
 
 def write_archives(examples: Path, archives: Path):
     """One .zip per example folder, for the pages' "the folder as a .zip" links:
-    _archives/generic-single_gpu.zip holds single_gpu/job.sh, single_gpu/main.py and the
-    folder's other files. Written at each build, with fixed dates: a rebuild changes no
-    byte."""
+    _archives/generic-single_gpu.zip holds generic-single_gpu/job.sh, main.py and the
+    folder's other files (not what a run left there). Written with fixed dates, and only
+    where a file changed: a rebuild changes no byte, and sphinx-autobuild sees none."""
     archives.mkdir(exist_ok=True)
     for folder in sorted(p.parent for p in examples.glob("*/*/main.py")):
-        target = archives / f"{folder.parent.name}-{folder.name}.zip"
-        with zipfile.ZipFile(target, "w") as archive:
-            for path in sorted(p for p in folder.iterdir() if p.is_file()):
-                entry = zipfile.ZipInfo(f"{folder.name}/{path.name}", ZIP_DATE)
+        name = f"{folder.parent.name}-{folder.name}"
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            for path in archived_files(folder):
+                entry = zipfile.ZipInfo(f"{name}/{path.name}", ZIP_DATE)
                 mode = 0o755 if os.access(path, os.X_OK) else 0o644
-                entry.external_attr = mode << 16
+                entry.external_attr = (stat.S_IFREG | mode) << 16
                 entry.compress_type = zipfile.ZIP_DEFLATED
                 archive.writestr(entry, path.read_bytes())
+        target = archives / f"{name}.zip"
+        if not target.exists() or target.read_bytes() != buffer.getvalue():
+            target.write_bytes(buffer.getvalue())
+
+
+def archived_files(folder: Path) -> list[Path]:
+    """An example folder's own files: its code, job.sh, a container's definition."""
+    return sorted(p for p in folder.iterdir() if p.suffix in {".py", ".sh", ".def"})
 
 
 ZIP_DATE = (2026, 1, 1, 0, 0, 0)

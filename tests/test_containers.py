@@ -45,9 +45,9 @@ def in_containers(test):
 
 
 def test_the_container_step_runs_step_4_unchanged():
-    assert (FOLDER / "main.py").read_bytes() == (
-        EXAMPLES_DIR / "generic/checkpointing/main.py"
-    ).read_bytes()
+    step_4 = EXAMPLES_DIR / "generic/checkpointing"
+    for path in step_4.glob("*.py"):  # main.py and its modules
+        assert (FOLDER / path.name).read_bytes() == path.read_bytes(), path.name
     # The image that job.sh looks for is the one that pytorch.def builds, from the NGC
     # release that the definition file names.
     definition = (FOLDER / "pytorch.def").read_text()
@@ -141,7 +141,7 @@ def test_a_node_without_apptainer_fails_fast_and_names_the_fix(lab, tmp_path):
 @in_containers
 def test_gpus_not_shown_to_the_container_stop_it_at_once(lab, tmp_path):
     # The nodes' GPUs are stand-ins that CUDA cannot use, as the GPUs of a container
-    # started without --nv are: the check in main.py stops every task, inside.
+    # started without --nv are: the check in devices.py stops every task, inside.
     start = time.monotonic()
     job = submit(lab, NAME, "--synthetic-data", workdir=tmp_path, TRAIN_ON_CPU="")
     done = lab.wait(job, tmp_path, timeout=FAIL_FAST)

@@ -297,6 +297,7 @@ def test_every_download_link_serves_the_file_shown_next_to_it(site, base, contex
             assert response.ok, f"{name}: {href}"
             folder = (ROOT / shown).parent
             if href.endswith(".zip"):
+                # Unpacked, a folder named after the example: generic-multi_node/.
                 with zipfile.ZipFile(io.BytesIO(response.body())) as archive:
                     held = {
                         Path(entry).name: archive.read(entry)
@@ -304,9 +305,13 @@ def test_every_download_link_serves_the_file_shown_next_to_it(site, base, contex
                     }
                     prefixes = {Path(entry).parent.name for entry in archive.namelist()}
                 files = {
-                    p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()
+                    p.name: p.read_bytes()
+                    for p in folder.iterdir()
+                    if p.suffix in {".py", ".sh", ".def"}
                 }
-                assert held == files and prefixes == {folder.name}, f"{name}: {href}"
+                assert {"job.sh", "main.py"} <= held.keys(), f"{name}: {href}"
+                expected = f"{folder.parent.name}-{folder.name}"
+                assert held == files and prefixes == {expected}, f"{name}: {href}"
                 archives.add(folder)
                 continue
             assert response.body() == (folder / label).read_bytes(), f"{name}: {href}"

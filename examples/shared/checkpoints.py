@@ -76,7 +76,7 @@ class Checkpoint:
                 "arguments": self.arguments,
                 "ranks": ranks,
             }
-            path = self.root / f"step-{progress.steps:08d}.pt"
+            path = self.root / CHECKPOINT_FILE.format(steps=progress.steps)
             try:
                 save_atomically(state, path)
             except Exception as failure:  # a full disk or quota, storage away a while
@@ -165,13 +165,15 @@ class Checkpoint:
             log.info(f"Changed since {path.name}: {changed}")
 
 
-# A complete checkpoint's name. One being written ends in ".tmp".
+# A complete checkpoint's name: step-00001200.pt for step 1200. One being written ends
+# in ".tmp". job.sh finds the newest by this name too (tests/test_job_scripts.py).
+CHECKPOINT_FILE = "step-{steps:08d}.pt"
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
 
 
 def checkpoints(root: Path, last_step: float = math.inf) -> list[Path]:
     """The complete checkpoints in `root`, up to step `last_step`, oldest first."""
-    steps = {p: int(m[1]) for p in root.glob("step-*.pt")
+    steps = {p: int(m[1]) for p in root.glob("*.pt")
              if (m := CHECKPOINT_NAME.fullmatch(p.name))}  # fmt: skip
     return sorted((p for p in steps if steps[p] <= last_step), key=steps.get)
 
@@ -183,7 +185,8 @@ def readable_checkpoint(root: Path) -> Path | str | None:
     settings that no longer load) is moved into unreadable/, with a warning, for the one
     before it: left, it would stay the newest. Files of saves that a kill cut short
     (.tmp) are deleted."""
-    for leftover in root.glob("step-*.pt.tmp"):
+    leftovers = root.glob("*.pt.tmp")
+    for leftover in (p for p in leftovers if CHECKPOINT_NAME.fullmatch(p.name[:-4])):
         log.warning(f"Deleting {leftover}, left by a save that did not end")
         leftover.unlink(missing_ok=True)
     errors = {}

@@ -33,6 +33,19 @@ def use_gpus() -> bool:
     return False
 
 
+def check_one_process():
+    """Stops a program of one process (step 1) that srun or torchrun started as one of
+    several: each would train alone, on the node's first GPU, apart from the others."""
+    for name in ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
+        if int(os.environ.get(name, "1")) > 1:
+            raise SystemExit(
+                f"error: this main.py trains in one process, and was started as one "
+                f"of {os.environ[name]} ({name}): each would train alone, on the same "
+                "GPU. Start it once, `python main.py`, as its job.sh does. To train on "
+                "several GPUs, take the guide's next step: its processes train as one."
+            )
+
+
 def get_device(local_rank: int) -> torch.device:
     """This process's GPU, made its current device, or the CPU. Slurm may show a task
     every GPU of its node or only its own (--gpu-bind, a MIG slice): a process that sees

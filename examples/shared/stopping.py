@@ -22,6 +22,11 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+# The marks that main.py leaves for job.sh in the checkpoint folder. job.sh reads them
+# by these names (tests/test_job_scripts.py holds the two sides to one spelling).
+STOPPED_MARK = "stopped-on-error"  # an error that a person must act on: no requeue
+REQUEUE_MARK = "requeue"  # no scontrol here (in a container): job.sh requeues the job
+
 
 # The signal that asked this process to stop, or 0. The handler only notes it: the
 # training loop acts on it between steps, where every rank can stop at the same point.
@@ -108,7 +113,7 @@ def requeue(stopped_by: int, max_restarts: int, folder: Path):
         )
     if shutil.which("scontrol") is None:  # in a container, say: job.sh requeues
         log.info(f"No scontrol here: asking job.sh to requeue job {job_id}")
-        (folder / "requeue").touch()
+        (folder / REQUEUE_MARK).touch()
         return
     log.info(f"Requeueing job {job_id}")
     # Needs `#SBATCH --requeue` on clusters whose default is not to requeue. The requeue
@@ -160,5 +165,5 @@ def stop_for_good(folder: Path, message: str):
     in the checkpoint folder tells job.sh not to requeue the job."""
     # On a full disk, say, the mark may fail: job.sh's limit on requeues still holds.
     with contextlib.suppress(OSError):
-        (folder / "stopped-on-error").touch()
+        (folder / STOPPED_MARK).touch()
     raise SystemExit(message)

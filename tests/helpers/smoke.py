@@ -191,7 +191,7 @@ EXAMPLES: dict[str, Launch] = {
 }  # fmt: skip
 
 # Examples that are also run under other launchers than their job.sh's: every main.py
-# finds its place under srun, torchrun or none (setup() in the plumbing).
+# finds its place under srun, torchrun or none (setup(), in ranks.py).
 MORE_LAUNCHES: list[tuple[str, Launch]] = [
     (
         "generic/multi_node",

@@ -50,36 +50,44 @@ def wanted(folder: Path) -> dict[Path, Path]:
     return {folder / shared[name].name: shared[name] for name in sorted(needed)}
 
 
-def stale() -> list[str]:
-    """Copies that are missing or differ from their source, and copies no file uses."""
-    problems = []
+def differences() -> list[tuple[Path, Path | None]]:
+    """(copy, its source) for each copy missing or unlike its source; (copy, None) for
+    each copy that no file of its folder imports."""
+    found = []
     shared = shared_modules()
     for folder in example_folders():
         copies = wanted(folder)
         for copy, source in copies.items():
             if not copy.exists() or copy.read_bytes() != source.read_bytes():
-                name = copy.relative_to(EXAMPLES_DIR)
-                problems.append(f"{name} differs from shared/{source.name}")
-        for path in folder.glob("*.py"):
-            if path.stem in shared and path not in copies:
-                problems.append(f"{path.relative_to(EXAMPLES_DIR)}: no file imports it")
-    return problems
+                found.append((copy, source))
+        found += [
+            (path, None)
+            for path in sorted(folder.glob("*.py"))
+            if path.stem in shared and path not in copies
+        ]
+    return found
+
+
+def stale() -> list[str]:
+    """What `write()` would change, in words."""
+    return [
+        f"{copy.relative_to(EXAMPLES_DIR)}: "
+        + (f"differs from shared/{source.name}" if source else "no file imports it")
+        for copy, source in differences()
+    ]
 
 
 def write() -> list[str]:
     """Writes every copy; removes copies that no file of their folder imports."""
     changed = []
-    shared = shared_modules()
-    for folder in example_folders():
-        copies = wanted(folder)
-        for copy, source in copies.items():
-            if not copy.exists() or copy.read_bytes() != source.read_bytes():
-                copy.write_bytes(source.read_bytes())
-                changed.append(str(copy.relative_to(EXAMPLES_DIR)))
-        for path in folder.glob("*.py"):
-            if path.stem in shared and path not in copies:
-                path.unlink()
-                changed.append(f"{path.relative_to(EXAMPLES_DIR)} (removed)")
+    for copy, source in differences():
+        if source is None:
+            copy.unlink()
+        else:
+            copy.write_bytes(source.read_bytes())
+        changed.append(
+            f"{copy.relative_to(EXAMPLES_DIR)}{'' if source else ' (removed)'}"
+        )
     return changed
 
 

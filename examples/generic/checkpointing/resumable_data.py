@@ -2,13 +2,11 @@
 sampler starts an epoch part-way, and each sample's random draws come from a seed of
 its own. The DataLoader workers' fork server starts with the stop signals blocked.
 
-
 The guide keeps one source of this file, examples/shared/resumable_data.py, and
 copies it into every example that uses it (`nox -s copies`): edit that one.
 """
 
 import itertools
-import logging
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -18,8 +16,6 @@ import signal
 import torch
 from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
-
-log = logging.getLogger(__name__)
 
 
 def start_fork_server():

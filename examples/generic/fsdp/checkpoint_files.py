@@ -1,18 +1,14 @@
 """What every checkpoint does alike, one file (DDP) or a folder of shards (FSDP2): its
 files are written atomically, and its settings are compared with the run's.
 
-
 The guide keeps one source of this file, examples/shared/checkpoint_files.py, and
 copies it into every example that uses it (`nox -s copies`): edit that one.
 """
 
-import logging
 import os
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 def changes(old: dict, new: dict) -> str:
