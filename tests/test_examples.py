@@ -345,13 +345,13 @@ PYXIS = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}
 def test_numbers_that_pyxis_copied_from_srun_are_read_as_srun_s(
     monkeypatch, env, launcher
 ):
-    main = load_main("generic/multi_node")
+    ranks = load_main("generic/multi_node", "ranks.py")
     for name in [*SRUN_TASK, *PYXIS, "TORCHELASTIC_RUN_ID"]:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    place, found = main.find_place()
-    assert (found, place) == (launcher, main.Place(5, 1, 8))
+    place, found = ranks.find_place()
+    assert (found, place) == (launcher, ranks.Place(5, 1, 8))
 
 
 # One folder of each kind: one process; srun and step 4's modules; torchrun; Lightning;

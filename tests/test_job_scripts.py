@@ -115,14 +115,14 @@ def test_every_resuming_script_asks_slurm_again_and_waits_out_a_grace_time():
 # the checkpoints, whose newest job.sh finds to tell whether a start saved one, and the
 # marks that main.py leaves (stopping.py). The names are spelled in main.py's modules;
 # each job.sh must spell them alike.
-CHECKPOINTING = [p for p in JOB_SCRIPTS if (p.parent / "stopping.py").exists()]
+SHARING_FILES = [p for p in JOB_SCRIPTS if (p.parent / "stopping.py").exists()]
 
 
 @pytest.mark.parametrize(
-    "script", CHECKPOINTING, ids=[p.parent.name for p in CHECKPOINTING]
+    "script", SHARING_FILES, ids=[p.parent.name for p in SHARING_FILES]
 )
 def test_job_sh_and_main_py_name_the_shared_files_alike(script):
-    assert len(CHECKPOINTING) == 5
+    assert len(SHARING_FILES) == 5
     text = script.read_text()
     folder = str(script.parent.relative_to(EXAMPLES))
     stopping = load_main(folder, "stopping.py")

@@ -27,6 +27,8 @@ MB = 2**20
 
 
 def load_example():
+    # With its folder first on the path: main.py imports the modules beside it.
+    sys.path.insert(0, str(EXAMPLE.parent))
     spec = importlib.util.spec_from_file_location("fsdp_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
