@@ -193,9 +193,9 @@ GPUS_GIVEN = {
 }
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_every_example_refuses_gpus_that_cuda_cannot_use(monkeypatch, name):
-    module = load_main(name, "devices.py")
+# devices.py: its one source, which every example holds byte for byte (test_layout.py).
+def test_every_example_refuses_gpus_that_cuda_cannot_use(monkeypatch):
+    module = load_main("shared", "devices.py")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for variable, value in GPUS_GIVEN.items():
         monkeypatch.setenv(variable, value)
@@ -285,14 +285,9 @@ def test_a_process_takes_its_own_gpu_however_slurm_binds_them(
 # How many DataLoader workers
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        n
-        for n in NAMES
-        if "get_num_workers" in (EXAMPLES_DIR / n / "main.py").read_text()
-    ],
-)
+# devices.py's one source (every example holds it byte for byte): under srun, one
+# process per task; under torchrun, as Ibex's steps start it, two.
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
 @pytest.mark.parametrize(
     ("affinity", "cpus_per_task", "per_process"),
     [
@@ -307,9 +302,9 @@ def test_a_process_takes_its_own_gpu_however_slurm_binds_them(
     ],
 )
 def test_workers_are_counted_from_the_cpus_a_process_may_use(
-    monkeypatch, name, affinity, cpus_per_task, per_process
+    monkeypatch, launcher, affinity, cpus_per_task, per_process
 ):
-    module = load_main(name, "devices.py")
+    module = load_main("shared", "devices.py")
     monkeypatch.setattr(
         module.os, "sched_getaffinity", lambda pid: set(range(affinity))
     )
@@ -318,7 +313,7 @@ def test_workers_are_counted_from_the_cpus_a_process_may_use(
         monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     else:
         monkeypatch.setenv("SLURM_CPUS_PER_TASK", cpus_per_task)
-    if name.startswith("ibex"):
+    if launcher == "torchrun":
         # torchrun's two processes share the task's CPUs.
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
         expected = max(per_process // 2 - 1, 0)
