@@ -9,14 +9,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "_ext"))
 
+import guide_numbers  # noqa: E402
+
 project = "Distributed PyTorch on Slurm"
 author = "The ddp-slurm-guide contributors"
 copyright = "2026, " + author
 
 # guide_code: literalinclude with path captions, and diffs that keep the code's own
 # highlighting on green and red lines (see docs/_ext/guide_code.py).
-extensions = ["myst_parser", "sphinx_copybutton", "sphinx_design", "guide_code"]
-myst_enable_extensions = ["colon_fence"]
+extensions = [
+    "myst_parser",
+    "sphinx_copybutton",
+    "sphinx_design",
+    "guide_code",
+    "guide_claims",
+]
+# substitution: the numbers that the guide's files decide, such as how many checks
+# ReFrame lists, come from those files: {{ generic_checks }} (_ext/guide_numbers.py).
+myst_enable_extensions = ["colon_fence", "substitution"]
+myst_substitutions = guide_numbers.numbers()
 exclude_patterns = ["_build", "_archives"]
 
 html_theme = "furo"

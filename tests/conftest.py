@@ -1,5 +1,6 @@
 """Shared fixtures (the built site, smoke runs, the Slurm cluster, the jobs of each
-job.sh), the Slurm version option, and the rule that in CI a skipped test fails."""
+job.sh), the Slurm version option, the rule that in CI a skipped test fails, and the
+count of the pages' untested claims at the end of every run."""
 
 import os
 import shlex
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import page_text
 import pytest
 from page_text import page_command
 from site_browser import build_site
@@ -205,6 +207,19 @@ def assert_torn_down(network_existed: bool):
             f"{mountinfo.parent.name} still holds a mount in {ROOTS}"
         )
     assert Path("/network").exists() == network_existed
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    # The pages' claims that the guide has not run ({untested} marks): their number may
+    # only fall (tests/test_claims.py), and every run of the suite says where it stands.
+    counts = {
+        str(page.relative_to(page_text.DOCS)): len(page_text.untested_claims(page))
+        for page in page_text.PAGES
+    }
+    listed = ", ".join(f"{page} {n}" for page, n in counts.items() if n)
+    terminalreporter.write_line(
+        f"untested claims on the pages: {sum(counts.values())} ({listed})"
+    )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

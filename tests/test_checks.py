@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import guide_numbers
 import pytest
 from conftest import JOB_TIMEOUT, SITE_FILE
 from page_text import page_command
@@ -201,6 +202,23 @@ def test_the_template_lists_the_generic_examples(tmp_path):
     )
     generic = [n for n in checks.EXAMPLES if n.startswith(("generic/", "launchers/"))]
     assert listed == generic
+    # The page's counts come from docs/_ext/guide_numbers.py: held here to what ReFrame
+    # lists, and to the GPUs that each listed check's job.sh asks for.
+    examples = [
+        line.split("%example=")[1].split()[0]
+        if "%example=" in line
+        else getattr(checks, line.split()[1]).example
+        for line in result.stdout.splitlines()
+        if line.startswith("- ")
+    ]
+    gpus = [
+        checks.asked((checks.EXAMPLES_DIR / e / "job.sh").read_text()) for e in examples
+    ]
+    number = guide_numbers.numbers()
+    assert f"Found {len(examples)} check(s)" in result.stdout
+    assert number["generic_checks"] == str(len(examples))
+    assert number["generic_check_gpus"] == str(sum(n * g for n, g in gpus))
+    assert number["largest_check_gpus"] == str(max(n * g for n, g in gpus))
 
 
 # One broken copy is enough to show a check failing through a real job: what each

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from other_model import MODEL_ARGS, write_language_model_template, write_token_files
+from page_text import DOCS
 from slurm_lab import Lab, job_processes
 from smoke import (
     EXAMPLES,
@@ -476,6 +477,13 @@ def test_a_killed_rank_ends_the_whole_job_at_once(lab, tmp_path):
     # The other ranks failed in their next collective and exited by themselves: none
     # waited for Slurm's SIGKILL, KillWait (30 s) after srun ended the step.
     assert re.findall(r"tasks? (\S+): Killed", job.output) == ["1"], job.output
+    # The job had the ranks that launchers.md says a killed rank ends.
+    ranks = re.search(r"Global batch: \d+ x (\d+) =", job.output)[1]
+    said = re.search(
+        r"a killed rank ends an? (\d+)-rank job",
+        " ".join((DOCS / "launchers.md").read_text().split()),
+    )
+    assert said and said[1] == ranks, f"launchers.md: {said and said[0]}, ranks {ranks}"
     # Killed before the run's first checkpoint: job.sh does not requeue it.
     assert "before this start saved a checkpoint: the job is not requeued" in unwrapped(
         job.output

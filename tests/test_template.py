@@ -24,7 +24,7 @@ from other_model import (
     write_language_model_template,
     write_token_files,
 )
-from page_text import page_command
+from page_text import DOCS, page_command
 from smoke import (
     EXAMPLES_DIR,
     base_env,
@@ -233,6 +233,17 @@ def test_the_adapt_pages_laptop_lines_stop_and_resume(tmp_path):
     stopped = log.read_text()
     assert len(re.findall(r"\[(\d)/4\] Stopped at step (\d+)", stopped)) == 4, stopped
     assert "summary:" not in stopped, stopped
+    # What the page tells the reader to expect of torchrun itself, read from the page:
+    # its exit status, and the last line of its traceback.
+    page = " ".join((DOCS / "adapt.md").read_text().split())
+    said = re.search(
+        r"torchrun itself ends with exit status (\d+) and a traceback that ends in "
+        r"`(SignalException: Process) … (got signal: \d+)`",
+        page,
+    )
+    assert said, "adapt.md no longer says how torchrun ends"
+    assert first.returncode == int(said[1]), stopped
+    assert re.search(rf"{said[2]} \d+ {said[3]}\s*$", stopped), stopped
     again = subprocess.run(
         ["bash", "-c", train], cwd=folder, env=env, capture_output=True, text=True,
         timeout=300,

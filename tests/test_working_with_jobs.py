@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from page_text import page_command
+from page_text import DOCS, page_command
 from slurm_lab import NODES
 from smoke import EXAMPLES, EXAMPLES_DIR, parse_summaries
 
@@ -249,3 +249,33 @@ def test_a_waiting_job_can_be_kept_off_a_node(lab, tmp_path):
         assert lab.job_info(job_id)["ExcNodeList"] == "cn2"
     finally:
         subprocess.run(["scancel", job_id], env=lab.env(), capture_output=True)
+
+
+@pytest.mark.every_version
+def test_without_accounting_sacct_says_so_and_debian_ships_no_seff(lab):
+    # The test cluster keeps no accounting (AccountingStorageType=accounting_storage/
+    # none), as some clusters do not: the page's sacct line, on a job that ran, prints
+    # the message that jobs.md quotes.
+    page = " ".join((DOCS / "jobs.md").read_text().split())
+    [message] = re.findall(r'without accounting, `sacct` says "([^"]+)"', page)
+    job = run(lab, "sbatch --parsable --wrap=true")
+    assert job.returncode == 0, job.stderr
+    line = page_command("jobs.md", "sacct -j").replace(JOB_ID, job.stdout.strip())
+    result = run(lab, line)
+    assert message in result.stdout + result.stderr, result
+    # seff is not among the files of Debian's Slurm packages in the cluster's root
+    # (Debian 12, 13 or forky: Slurm 22.05, 24.11 or 26.05), and not on its PATH.
+    lists = [
+        p
+        for p in ((lab.root or Path("/")) / "var/lib/dpkg/info").glob("*.list")
+        if p.name.startswith(("slurm", "libslurm"))
+    ]
+    assert {p.name.split(":")[0].removesuffix(".list") for p in lists} >= {
+        "slurm-client",
+        "slurmctld",
+        "slurmd",
+    }
+    files = [f for p in lists for f in p.read_text().splitlines()]
+    assert "/usr/bin/sacct" in files
+    assert not [f for f in files if Path(f).name == "seff"]
+    assert run(lab, "command -v seff").returncode != 0

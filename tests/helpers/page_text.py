@@ -1,8 +1,8 @@
 """The prose of the site's pages, as a reader reads it: what the page tests measure.
 
 `python tests/helpers/page_text.py` prints, per page, how often it mentions the tests
-outside a link to the testing page, its sentences of more than 35 words, and its longest
-one.
+outside a link to the testing page, its sentences of more than 35 words, its longest
+one, and its claims marked untested.
 """
 
 import re
@@ -224,13 +224,45 @@ def link_first_uses(page: Path) -> int:
     return len(edits)
 
 
+# A claim the guide has not run, marked where it stands (docs/_ext/guide_claims.py).
+UNTESTED = re.compile(r"(?:\{untested\}|:untested:)`([^`]*)`")
+# The same said in other words: the mark is the one form.
+UNTESTED_WORDS = re.compile(
+    r"\buntested\b|\bnot (?:been )?(?:tested|run) here\b|\bhave not (?:tested|run)\b",
+    re.IGNORECASE,
+)
+
+
+def untested_claims(page: Path) -> list[tuple[int, str]]:
+    """The page's claims marked {untested}, by line number (from 1) and reason: in its
+    prose and its tables, not in code."""
+    lines = page.read_text().splitlines()
+    prose = {number for number, _ in numbered_prose_lines("\n".join(lines))}
+    return [
+        (number + 1, reason)
+        for number, line in enumerate(lines)
+        if number in prose or line.lstrip().startswith("|")
+        for reason in UNTESTED.findall(line)
+    ]
+
+
+def untested_in_other_words(page: Path) -> list[str]:
+    """Prose that says "untested" in words of its own, outside the mark."""
+    found = []
+    for paragraph in paragraphs(page):
+        text = CODE.sub("", UNTESTED.sub("", paragraph))
+        found.extend(s for s in SENTENCE_END.split(text) if UNTESTED_WORDS.search(s))
+    return found
+
+
 def report() -> str:
-    rows = ["page | test mentions | sentences > 35 words | longest (words)"]
+    rows = ["page | test mentions | sentences > 35 words | longest | untested claims"]
     for page in PAGES:
         lengths = [words(s) for s in sentences(page)]
         rows.append(
             f"{page.relative_to(DOCS)} | {len(mentions_of_tests(page))} | "
-            f"{sum(n > LONG for n in lengths)} | {max(lengths, default=0)}"
+            f"{sum(n > LONG for n in lengths)} | {max(lengths, default=0)} | "
+            f"{len(untested_claims(page))}"
         )
     return "\n".join(rows)
 

@@ -1,0 +1,301 @@
+"""The pages' claims, held to the files they count and to each other.
+
+- A number that the guide's own files decide (how many checks ReFrame lists, the GPUs
+  they ask for, how many example folders there are) comes from those files at build
+  time (docs/_ext/guide_numbers.py). Here: that it follows a change to them, that the
+  built page shows it, and that no page writes it by hand. test_checks.py holds the
+  counts to what ReFrame itself lists.
+- A claim the guide has not run says so where it stands, in one form,
+  {untested}`needs NCCL on GPUs`. Their number is printed at the end of every test
+  run and may only fall.
+- Where two pages state the same fact, they state it alike.
+"""
+
+import ast
+import re
+import shutil
+from pathlib import Path
+
+import guide_numbers
+import page_text
+import pytest
+import tomllib
+from page_text import DOCS, PAGES
+
+ROOT = DOCS.parent
+HOW_TO_PAGES = [p for p in PAGES if p.stem not in {"testing", "glossary"}]
+
+# ------------------------------------------------------------
+# Numbers computed from the files
+
+# How a page would write each computed number by hand: such a page must write the
+# substitution instead ("lists {{ generic_checks }} checks").
+BY_HAND = {
+    "generic_checks": r"lists \d+ checks|the \d+ jobs",
+    "generic_check_gpus": r"\b\d+ GPUs in all",
+    "example_folders": r"\b\d+ example folders",
+}
+
+
+def test_every_computed_number_is_used_and_known():
+    # A substitution the pages do not use is dead; a hand-written pattern for a name
+    # that guide_numbers does not compute guards nothing.
+    text = "".join(p.read_text() for p in PAGES)
+    numbers = guide_numbers.numbers()
+    for name in numbers:
+        assert "{{ " + name + " }}" in text, f"no page uses {{{{ {name} }}}}"
+    assert set(BY_HAND) <= set(numbers)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_pages_write_no_computed_number_by_hand(page):
+    text = " ".join(page.read_text().split())
+    for name, pattern in BY_HAND.items():
+        found = re.findall(pattern, text)
+        assert not found, f"{found}: write {{{{ {name} }}}} (guide_numbers.py)"
+
+
+def test_the_numbers_follow_the_files(tmp_path):
+    # A copy of the examples' job.sh files; then one more generic example of 3 nodes
+    # of 2 GPUs each, and one example fewer. Each count moves with the files.
+    for path in (ROOT / "examples").glob("*/*/job.sh"):
+        target = tmp_path / path.relative_to(ROOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target)
+    before = {k: int(v) for k, v in guide_numbers.numbers(tmp_path).items()}
+    new = tmp_path / "examples/generic/bigger/job.sh"
+    new.parent.mkdir()
+    new.write_text("#!/bin/bash\n#SBATCH --nodes=3\n#SBATCH --gpus-per-node=h100:4\n")
+    shutil.rmtree(tmp_path / "examples/mila/single_gpu")
+    after = {k: int(v) for k, v in guide_numbers.numbers(tmp_path).items()}
+    assert after["example_folders"] == before["example_folders"]
+    assert after["generic_checks"] == before["generic_checks"] + 1
+    assert after["generic_check_gpus"] == before["generic_check_gpus"] + 12
+    assert (after["largest_check_gpus"], after["largest_check_nodes"]) == (12, 3)
+    (tmp_path / "examples/ibex/single_node/job.sh").unlink()
+    assert guide_numbers.numbers(tmp_path)["example_folders"] == str(
+        before["example_folders"] - 1
+    )
+
+
+def test_the_folders_counted_are_the_example_folders():
+    folders = {p.parent for p in (ROOT / "examples").glob("*/*/main.py")}
+    assert guide_numbers.numbers()["example_folders"] == str(len(folders))
+
+
+def test_the_built_pages_show_the_computed_numbers(site):
+    numbers = guide_numbers.numbers()
+    html = (site / "verify.html").read_text()
+    verify = " ".join(re.sub(r"<[^>]+>", "", html).split())
+    assert f"it lists {numbers['generic_checks']} checks" in verify
+    assert f"ask for {numbers['generic_check_gpus']} GPUs in all" in verify
+    assert "{{" not in verify
+
+
+# A default that a page states, after the option's name: "`--max-restarts` requeues
+# (20 by default)", "(default 5)".
+STATED_DEFAULT = re.compile(
+    r"`(--[a-z-]+)`[^`]{0,70}?[(,] ?(?:default (\d[\d,.]*)|(\d[\d,.]*|off) by default)"
+)
+# Whose options each page states: its examples' main.py, or torchrun's.
+OPTIONS_OF = {
+    "generic": "generic/*",
+    "mila": "mila/*",
+    "fabric": "generic/fabric",
+    "fsdp": "generic/fsdp",
+    "troubleshooting": "*/*",
+    "launchers": "torchrun",
+}
+
+
+def defaults_in(path: Path) -> dict[str, object]:
+    """The defaults of a main.py's options, as its add("--name", ..., default=...)
+    calls give them; a flag without a default is off."""
+    found = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", getattr(node.func, "attr", ""))
+            in ("add", "add_argument")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith("--")
+        ):
+            default = {k.arg: k.value for k in node.keywords}.get("default")
+            try:
+                value = ast.literal_eval(default) if default is not None else False
+            except ValueError:  # computed: os.environ.get(...), Path(...)
+                value = ast.unparse(default)
+            found[node.args[0].value] = value
+    return found
+
+
+def torchrun_defaults() -> dict[str, object]:
+    from torch.distributed.run import get_args_parser
+
+    found = {}
+    for action in get_args_parser()._actions:
+        # Where the default is None, torchrun's help states the one it uses.
+        said = re.search(r"defaults to (\d+)", action.help or "")
+        for flag in action.option_strings:
+            found[flag] = said[1] if action.default is None and said else action.default
+    return found
+
+
+def same(stated: str, default: object) -> bool:
+    if stated == "off":
+        return default in (False, None)
+    try:
+        return float(stated.replace(",", "")) == float(default)
+    except (TypeError, ValueError):
+        return False
+
+
+@pytest.mark.parametrize("page", HOW_TO_PAGES, ids=lambda p: p.stem)
+def test_the_defaults_a_page_states_are_the_codes(page):
+    text = " ".join(page.read_text().split())
+    stated = [(m[1], m[2] or m[3]) for m in STATED_DEFAULT.finditer(text)]
+    if not stated:
+        return
+    assert page.stem in OPTIONS_OF, f"{page.name} states defaults: {stated}"
+    whose = OPTIONS_OF[page.stem]
+    if whose == "torchrun":
+        defaults = {flag: [value] for flag, value in torchrun_defaults().items()}
+    else:
+        defaults = {}
+        for main in (ROOT / "examples").glob(f"{whose}/main.py"):
+            for flag, value in defaults_in(main).items():
+                defaults.setdefault(flag, []).append(value)
+    for flag, value in stated:
+        assert flag in defaults, f"{page.name}: {flag} is not an option of {whose}"
+        assert all(same(value, d) for d in defaults[flag]), (
+            f"{page.name}: {flag} {value} by default; the code: {defaults[flag]}"
+        )
+
+
+def test_stated_defaults_are_found_and_checked(tmp_path):
+    text = (
+        "`--max-restarts` requeues (20 by default), `--warmup` ones (default 5), "
+        "`--compile` (off by default)."
+    )
+    found = [(m[1], m[2] or m[3]) for m in STATED_DEFAULT.finditer(text)]
+    assert found == [("--max-restarts", "20"), ("--warmup", "5"), ("--compile", "off")]
+    main = tmp_path / "main.py"
+    main.write_text(
+        'add("--max-restarts", type=int, default=20)\n'
+        'parser.add_argument("--compile", action="store_true")\n'
+    )
+    assert defaults_in(main) == {"--max-restarts": 20, "--compile": False}
+    assert same("20", 20) and same("50,000", 50_000) and not same("21", 20)
+    assert torchrun_defaults()["--max-restarts"] == 0
+
+
+# ------------------------------------------------------------
+# Claims the guide has not run
+
+# The number of {untested} marks on the pages. It may only fall: test a claim, and
+# lower this number with the mark you remove; a new claim that cannot be tested here
+# is marked, and this number raised, only with a reviewer's yes.
+UNTESTED_CLAIMS = 163
+
+
+def untested_claims() -> dict[str, list[tuple[int, str]]]:
+    return {
+        str(page.relative_to(DOCS)): page_text.untested_claims(page)
+        for page in HOW_TO_PAGES
+    }
+
+
+def test_the_untested_claims_only_fall():
+    found = untested_claims()
+    count = sum(len(marks) for marks in found.values())
+    listing = "\n".join(
+        f"{page}:{line}: {reason}"
+        for page, marks in found.items()
+        for line, reason in marks
+    )
+    assert count <= UNTESTED_CLAIMS, (
+        f"{count} untested claims, more than the {UNTESTED_CLAIMS} allowed:\n{listing}"
+    )
+    assert count == UNTESTED_CLAIMS, (
+        f"{count} untested claims: lower UNTESTED_CLAIMS to {count} (test_claims.py)"
+    )
+
+
+@pytest.mark.parametrize("page", HOW_TO_PAGES, ids=lambda p: p.stem)
+def test_untested_claims_take_the_one_form(page):
+    assert page_text.untested_in_other_words(page) == []
+    for _, reason in page_text.untested_claims(page):
+        # Short, lower case, no end stop: "needs NCCL on GPUs".
+        assert reason and len(reason.split()) <= 12, reason
+        assert reason == reason.strip() and not reason.endswith("."), reason
+
+
+def test_the_untested_measures_see_what_they_should(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "NCCL says so. {untested}`needs NCCL on GPUs`\n\n"
+        "| a | b |\n| --- | --- |\n| a row | says {untested}`needs GPUs` |\n\n"
+        "```bash\n{untested}`in code`\n```\n\n"
+        "This is untested. The word `untested` in code is not.\n"
+    )
+    assert page_text.untested_claims(page) == [
+        (1, "needs NCCL on GPUs"),
+        (5, "needs GPUs"),
+    ]
+    assert page_text.untested_in_other_words(page) == ["This is untested."]
+
+
+# ------------------------------------------------------------
+# Facts that several pages state
+
+
+def paragraphs_with(needle: str) -> list[tuple[str, str]]:
+    return [
+        (page.name, paragraph)
+        for page in HOW_TO_PAGES
+        for paragraph in page_text.paragraphs(page)
+        if needle in paragraph
+    ]
+
+
+def test_the_order_of_ranks_comes_with_slurm_26_05s_exception():
+    # srun numbers the tasks node by node up to 25.11 only: from 26.05, on a cluster
+    # with a topology.conf, in the network's order (test_slurm_versions.py). A page
+    # that states the order, or the formula that follows from it, says so there.
+    stated = paragraphs_with("node by node") + paragraphs_with("processes per node +")
+    assert stated
+    for page, paragraph in stated:
+        assert "26.05" in paragraph, f"{page}: {paragraph}"
+
+
+def test_the_preemption_signal_setting_is_named_alike():
+    # Slurm 23.02 renamed SlurmctldParameters=preempt_send_user_signal to
+    # PreemptParameters=send_user_signal (its changelog): the old name comes only with
+    # the version that ended it, and with the new one.
+    old = paragraphs_with("preempt_send_user_signal")
+    assert old
+    for page, paragraph in old:
+        assert "23.02" in paragraph and "PreemptParameters=send_user_signal" in (
+            paragraph
+        ), f"{page}: {paragraph}"
+
+
+# ------------------------------------------------------------
+# The READMEs' lists of the test files
+
+
+def test_the_readmes_name_every_test_file_marker_helper_and_tool():
+    tests = ROOT / "tests"
+    readme = (tests / "README.md").read_text()
+    names = [p.name for p in tests.glob("test_*.py")]
+    names += [p.name for p in (tests / "helpers").iterdir() if p.name != "__pycache__"]
+    names += [p.name for p in (tests / "tools").glob("*.py")]
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    markers = config["tool"]["pytest"]["ini_options"]["markers"]
+    names += [m.split(":")[0] for m in markers]
+    missing = [n for n in names if f"`{n}" not in readme]
+    assert not missing, f"tests/README.md does not name {missing}"
+    top = (ROOT / "README.md").read_text()
+    tools = [p.name for p in (tests / "tools").glob("*.py")]
+    assert [n for n in tools if f"`{n}`" not in top] == [], "README.md: tools/"
