@@ -2,6 +2,7 @@
 job.sh), the Slurm version option, the rule that in CI a skipped test fails, and the
 count of the pages' untested claims at the end of every run."""
 
+import json
 import os
 import shlex
 import subprocess
@@ -37,19 +38,60 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     lab = Lab(version=config.getoption("--slurm-version"))  # starts nothing
     keep, drop = [], []
     for item in items:
-        mark = item.get_closest_marker("since_slurm")
-        too_old = mark is not None and not lab.at_least(mark.args[0])
-        mark = item.get_closest_marker("before_slurm")
-        too_old = too_old or mark is not None and lab.at_least(mark.args[0])
-        # apptainer: needs Apptainer; apptainer(False): needs a cluster without it.
-        apptainer = item.get_closest_marker("apptainer")
-        wrong = apptainer and (apptainer.args or [True])[0] != lab.has_apptainer
-        (drop if too_old or wrong else keep).append(item)
+        (keep if runs_on(item, lab) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
     items[:] = sorted(keep, key=restarts_lab)
     for item in items:
         item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+
+
+def runs_on(item: pytest.Item, lab: Lab) -> bool:
+    """Whether a test runs where the test cluster has `lab`'s version."""
+    mark = item.get_closest_marker("since_slurm")
+    too_old = mark is not None and not lab.at_least(mark.args[0])
+    mark = item.get_closest_marker("before_slurm")
+    too_old = too_old or mark is not None and lab.at_least(mark.args[0])
+    # apptainer: needs Apptainer; apptainer(False): needs a cluster without it.
+    apptainer = item.get_closest_marker("apptainer")
+    wrong = apptainer and (apptainer.args or [True])[0] != lab.has_apptainer
+    return not (too_old or wrong)
+
+
+def uses_slurm(item: pytest.Item) -> bool:
+    return bool(item.get_closest_marker("slurm")) or bool(
+        {"lab", "jobs"} & set(getattr(item, "fixturenames", ()))
+    )
+
+
+def ci_versions(item: pytest.Item) -> list[str]:
+    """The Slurm versions that `nox -s tests` (CI) runs a test on: every test on the
+    default version, those marked every_version on the others too; [] for a test that
+    uses no Slurm. docs/testing.md's "Slurm" column says the same (test_claims.py)."""
+    if not uses_slurm(item):
+        return []
+    versions = [DEFAULT_VERSION]
+    if item.get_closest_marker("every_version"):
+        versions = list(VERSIONS)
+    return sorted(v for v in versions if runs_on(item, Lab(version=v)))
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # WHERE_TESTS_RUN=FILE: write each test function's CI versions into FILE, for
+    # test_claims.py: JSON, the versions of each of its cases ("none": no Slurm).
+    if os.environ.get("WHERE_TESTS_RUN"):
+        name = getattr(item, "originalname", None) or item.name
+        versions = ci_versions(item) or ["none"]
+        if versions not in WHERE.setdefault(name, []):
+            WHERE[name].append(versions)
+
+
+WHERE: dict[str, list[list[str]]] = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if path := os.environ.get("WHERE_TESTS_RUN"):
+        Path(path).write_text(json.dumps(WHERE))
 
 
 def restarts_lab(item: pytest.Item) -> bool:
@@ -60,9 +102,7 @@ def worker_group(item: pytest.Item) -> str:
     """Where a test runs when nox -s tests runs two workers (pytest-xdist's --dist
     loadgroup): the tests of the one Slurm test cluster on one, in their order; all the
     others on the other, each session and module fixture made once."""
-    if item.get_closest_marker("slurm") or {"lab", "jobs"} & set(item.fixturenames):
-        return "slurm"
-    return "rest"
+    return "slurm" if uses_slurm(item) else "rest"
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,12 @@
 """
 
 import ast
+import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import guide_numbers
@@ -279,6 +283,64 @@ def test_the_preemption_signal_setting_is_named_alike():
         assert "23.02" in paragraph and "PreemptParameters=send_user_signal" in (
             paragraph
         ), f"{page}: {paragraph}"
+
+
+# ------------------------------------------------------------
+# The testing page's tables: which Slurm versions each promise's tests run on
+
+PROMISES_HEADER = "| Promise | Checked by | Slurm | Cannot show |"
+VERSION = re.compile(r"\b(22\.05|24\.11|26\.05)\b")
+
+
+def promise_rows() -> list[list[str]]:
+    """The rows of the testing page's promise tables, as lists of cells."""
+    rows, inside = [], False
+    for line in (DOCS / "testing.md").read_text().splitlines():
+        if line.strip() == PROMISES_HEADER:
+            inside = True
+        elif inside and line.startswith("|") and not line.startswith("| ---"):
+            rows.append([c.strip() for c in line.strip()[1:-1].split("|")])
+        elif not line.startswith("|"):
+            inside = False
+    return rows
+
+
+@pytest.fixture(scope="module")
+def where_tests_run(tmp_path_factory) -> dict[str, list[list[str]]]:
+    """Each test function's CI versions, case by case, as pytest collects them
+    (conftest.py, ci_versions)."""
+    path = tmp_path_factory.mktemp("where") / "where.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q",
+         "-p", "no:cacheprovider", str(ROOT / "tests")],
+        cwd=ROOT, env={**os.environ, "WHERE_TESTS_RUN": str(path)},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(path.read_text())
+
+
+def test_the_testing_pages_slurm_column_is_where_its_tests_run(where_tests_run):
+    rows = promise_rows()
+    assert len(rows) > 80
+    wrong = []
+    assert all(len(row) == 4 for row in rows), [r for r in rows if len(r) != 4]
+    for promise, checked_by, slurm, _ in rows:
+        tests = re.findall(r"`(test_\w+)`", checked_by)
+        stated = set(VERSION.findall(slurm)) | ({"none"} if "none" in slurm else set())
+        cases = [where_tests_run[t] for t in tests if t in where_tests_run]
+        unknown = [t for t in tests if t not in where_tests_run]
+        # Every version the row names is one its tests run on; a test whose cases all
+        # run on the same versions has each of them named.
+        anywhere = {v for test in cases for case in test for v in case}
+        alike = {v for test in cases if len(test) == 1 for v in test[0]}
+        if not tests and checked_by.startswith("not ") and not slurm:
+            continue  # "not reproduced": no test, no version
+        if unknown or not stated or stated - anywhere or alike - stated:
+            wrong.append(
+                f"{promise[:70]}: says {sorted(stated)}; tests {cases} {unknown}"
+            )
+    assert not wrong, "\n".join(wrong)
 
 
 # ------------------------------------------------------------
