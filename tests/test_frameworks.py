@@ -9,11 +9,13 @@ import math
 import random
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import JOB_TIMEOUT
 from slurm_lab import Lab
 from smoke import (
     EXAMPLES_DIR,
@@ -264,3 +266,118 @@ def test_srun_expands_the_node_id_in_the_task_only_when_quoted(lab, tmp_path):
     lines = done.output.split()
     assert sorted(re.findall(r"task \d", done.output)) == ["task 0", "task 1"], lines
     assert re.findall(r"batch \d", done.output) == ["batch 0", "batch 0"], lines
+
+
+PROBE = """import os, socket
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.ones(1)
+dist.all_reduce(total)
+machine = os.environ["GROUP_RANK"]
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}, machine {machine}"
+      f" on {socket.gethostname()}: sum {total.item():.0f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@slurm
+def test_accelerate_launch_once_per_node_gives_each_node_its_rank(lab, tmp_path):
+    # The launchers page's recipe for keeping `accelerate launch`: one task per node,
+    # the four settings, and each task's own $SLURM_NODEID, in single quotes. On CPUs:
+    # a small program that joins the group over gloo and sums a one from every rank.
+    (tmp_path / "probe.py").write_text(PROBE)
+    accelerate = Path(sys.executable).parent / "accelerate"
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+        "export OMP_NUM_THREADS=1\n"
+        f"srun bash -c '{accelerate} launch --multi_gpu --num_machines 2 "
+        "--num_processes 4 --machine_rank $SLURM_NODEID "
+        "--main_process_ip '\"$MASTER_ADDR\"' --main_process_port 29531 probe.py'\n"
+    )
+    options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"]
+    job = lab.sbatch(script, site=None, workdir=tmp_path, options=options)
+    done = lab.wait(job, tmp_path, timeout=JOB_TIMEOUT)
+    assert done.ok, done.output
+    seen = re.findall(r"rank (\d) of 4, machine (\d) on (cn\d): sum 4", done.output)
+    assert sorted(int(rank) for rank, _, _ in seen) == [0, 1, 2, 3], done.output
+    # Two processes a machine, each machine on its own node.
+    machines = {machine: host for _, machine, host in seen}
+    assert sorted(machines) == ["0", "1"] and len(set(machines.values())) == 2, seen
+
+
+@slurm
+def test_accelerate_launch_with_the_batch_scripts_node_id_hangs(lab, tmp_path):
+    # The troubleshooting page's symptom: $SLURM_NODEID in double quotes is the batch
+    # script's, 0 on every node. Both nodes claim machine 0, and no group forms: in
+    # twice the time the quoted form takes to train, no rank has summed anything.
+    (tmp_path / "probe.py").write_text(PROBE)
+    accelerate = Path(sys.executable).parent / "accelerate"
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+        "export OMP_NUM_THREADS=1\n"
+        'srun bash -c "echo machine $SLURM_NODEID on \\$(hostname); '
+        f"timeout 20 {accelerate} launch --multi_gpu --num_machines 2 "
+        "--num_processes 4 --machine_rank $SLURM_NODEID "
+        '--main_process_ip $MASTER_ADDR --main_process_port 29532 probe.py"\n'
+    )
+    options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"]
+    job = lab.sbatch(script, site=None, workdir=tmp_path, options=options)
+    done = lab.wait(job, tmp_path, timeout=JOB_TIMEOUT)
+    assert sorted(re.findall(r"machine (\d) on (cn\d)", done.output)) == [
+        ("0", "cn1"),
+        ("0", "cn2"),
+    ], done.output
+    assert not done.ok and "sum 4" not in done.output, done.output
+
+
+# ------------------------------------------------------------
+# Why the example's checkpoints are not named hpc_ckpt_<n>.ckpt
+
+
+@pytest.mark.parametrize("name", ["hpc_ckpt_1.ckpt", "checkpoint-1.ckpt"])
+def test_under_slurm_lightnings_validate_loads_an_hpc_ckpt_in_place_of_the_weights(
+    tmp_path, monkeypatch, name
+):
+    # A requeued job under Slurm, as Lightning sees it: the variables of a task, and
+    # in the trainer's folder a checkpoint of other weights, under Lightning's own
+    # name or under the example's. validate() without ckpt_path loads Lightning's.
+    import lightning as L
+
+    for variable, value in {
+        "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NAME": "classifier", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(variable, value)
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def validation_step(self, batch, index):
+            return self.layer(batch[0]).sum()
+
+    saved = Model()
+    torch.nn.init.constant_(saved.layer.weight, 7.0)
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.strategy.connect(saved)
+    trainer.save_checkpoint(tmp_path / name)
+    model = Model()
+    torch.nn.init.constant_(model.layer.weight, 1.0)
+    loader = DataLoader(TensorDataset(torch.ones(4, 2)), batch_size=2)
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.validate(model, loader, verbose=False)
+    loaded = float(model.layer.weight[0, 0])
+    # Lightning's name: the checkpoint's weights replaced the model's own.
+    assert loaded == (7.0 if name.startswith("hpc_ckpt") else 1.0)
