@@ -720,3 +720,20 @@ def test_a_job_given_gpus_that_cuda_cannot_use_fails_fast(lab, tmp_path):
         r"was given GPUs \(SLURM_GPUS_ON_NODE=4, CUDA_VISIBLE_DEVICES=\S+\)", job.output
     )
     assert "Running on" not in job.output
+
+
+def test_without_kill_on_bad_exit_srun_reports_the_failed_task_and_waits(lab, tmp_path):
+    # launchers.md: by default, srun reports the failed task and waits for the others.
+    # Task 1 fails at once; task 0 ends on its own 5 s later, and srun waited for it.
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        "srun --ntasks=2 bash -c "
+        "'if [ $SLURM_PROCID = 1 ]; then exit 3; fi; sleep 5; echo task 0 finished'\n"
+        'echo "srun exit status: $?"\n'
+    )
+    job = lab.sbatch(script, site=None, workdir=tmp_path, options=["--ntasks=2"])
+    done = lab.wait(job, tmp_path, timeout=FAIL_FAST)
+    assert re.search(r"task 1: Exited with exit code 3", done.output), done.output
+    assert "task 0 finished" in done.output, done.output
+    assert "srun exit status: 3" in done.output, done.output
