@@ -66,22 +66,23 @@ def uses_slurm(item: pytest.Item) -> bool:
 
 def ci_versions(item: pytest.Item) -> list[str]:
     """The Slurm versions that `nox -s tests` (CI) runs a test on: every test on the
-    default version, those marked every_version on the others too; [] for a test that
-    uses no Slurm. docs/testing.md's "Slurm" column says the same (test_claims.py)."""
+    default version, those marked every_version on the others too. ["none"] for a test
+    that uses no Slurm; ["never"] for a Slurm test that CI runs nowhere (test_claims.py
+    fails on it). docs/testing.md's "Slurm" column says the same (test_claims.py)."""
     if not uses_slurm(item):
-        return []
+        return ["none"]
     versions = [DEFAULT_VERSION]
     if item.get_closest_marker("every_version"):
         versions = list(VERSIONS)
-    return sorted(v for v in versions if runs_on(item, Lab(version=v)))
+    return sorted(v for v in versions if runs_on(item, Lab(version=v))) or ["never"]
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     # WHERE_TESTS_RUN=FILE: write each test function's CI versions into FILE, for
-    # test_claims.py: JSON, the versions of each of its cases ("none": no Slurm).
+    # test_claims.py: JSON, by "file::function", the versions of each of its cases.
     if os.environ.get("WHERE_TESTS_RUN"):
-        name = getattr(item, "originalname", None) or item.name
-        versions = ci_versions(item) or ["none"]
+        name = f"{item.path.name}::{getattr(item, 'originalname', None) or item.name}"
+        versions = ci_versions(item)
         if versions not in WHERE.setdefault(name, []):
             WHERE[name].append(versions)
 

@@ -218,7 +218,9 @@ def test_the_template_lists_the_generic_examples(tmp_path):
     assert f"Found {len(examples)} check(s)" in result.stdout
     assert number["generic_checks"] == str(len(examples))
     assert number["generic_check_gpus"] == str(sum(n * g for n, g in gpus))
-    assert number["largest_check_gpus"] == str(max(n * g for n, g in gpus))
+    largest = max(gpus, key=lambda asked: asked[0] * asked[1])
+    assert number["largest_check_gpus"] == str(largest[0] * largest[1])
+    assert number["largest_check_nodes"] == str(largest[0])
 
 
 # One broken copy is enough to show a check failing through a real job: what each

@@ -82,6 +82,22 @@ def test_the_numbers_follow_the_files(tmp_path):
     )
 
 
+def test_gpus_asked_in_a_form_the_count_does_not_know_stop_the_build():
+    assert guide_numbers.asked(
+        "#SBATCH --nodes=2\n#SBATCH --gpus-per-node=a100:4\n"
+    ) == (
+        2,
+        4,
+    )
+    for job_sh in [
+        "#SBATCH --nodes=2\n",
+        "#SBATCH --gres=gpu:4\n",
+        "#SBATCH --gpus-per-node=4\n#SBATCH --gpus-per-task=1\n",
+    ]:
+        with pytest.raises(ValueError, match="other than by --gpus-per-node"):
+            guide_numbers.asked(job_sh)
+
+
 def test_the_folders_counted_are_the_example_folders():
     folders = {p.parent for p in (ROOT / "examples").glob("*/*/main.py")}
     assert guide_numbers.numbers()["example_folders"] == str(len(folders))
@@ -200,13 +216,12 @@ def test_stated_defaults_are_found_and_checked(tmp_path):
 # The number of {untested} marks on the pages. It may only fall: test a claim, and
 # lower this number with the mark you remove; a new claim that cannot be tested here
 # is marked, and this number raised, only with a reviewer's yes.
-UNTESTED_CLAIMS = 159
+UNTESTED_CLAIMS = 160
 
 
 def untested_claims() -> dict[str, list[tuple[int, str]]]:
     return {
-        str(page.relative_to(DOCS)): page_text.untested_claims(page)
-        for page in HOW_TO_PAGES
+        str(page.relative_to(DOCS)): page_text.untested_claims(page) for page in PAGES
     }
 
 
@@ -233,6 +248,7 @@ def test_untested_claims_take_the_one_form(page):
         # Short, lower case, no end stop: "needs NCCL on GPUs".
         assert reason and len(reason.split()) <= 12, reason
         assert reason == reason.strip() and not reason.endswith("."), reason
+        assert reason[0].islower(), reason
 
 
 def test_the_untested_measures_see_what_they_should(tmp_path):
@@ -314,10 +330,21 @@ def where_tests_run(tmp_path_factory) -> dict[str, list[list[str]]]:
         [sys.executable, "-m", "pytest", "--collect-only", "-q",
          "-p", "no:cacheprovider", str(ROOT / "tests")],
         cwd=ROOT, env={**os.environ, "WHERE_TESTS_RUN": str(path)},
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(path.read_text())
+    by_name: dict[str, list[list[str]]] = {}
+    for key, cases in json.loads(path.read_text()).items():
+        name = key.split("::")[1]
+        # The page names a test by its function: one name, one test.
+        assert name not in by_name, f"two tests named {name}"
+        by_name[name] = cases
+    return by_name
+
+
+def test_every_slurm_test_runs_somewhere_in_ci(where_tests_run):
+    never = [name for name, cases in where_tests_run.items() if ["never"] in cases]
+    assert not never, f"Slurm tests that CI deselects on every version: {never}"
 
 
 def test_the_testing_pages_slurm_column_is_where_its_tests_run(where_tests_run):
@@ -361,3 +388,46 @@ def test_the_readmes_name_every_test_file_marker_helper_and_tool():
     top = (ROOT / "README.md").read_text()
     tools = [p.name for p in (tests / "tools").glob("*.py")]
     assert [n for n in tools if f"`{n}`" not in top] == [], "README.md: tools/"
+
+
+# ------------------------------------------------------------
+# Settings of the test cluster and of the checks, as the pages quote them
+
+
+def number_in(pattern: str, text: str) -> str:
+    found = re.findall(pattern, text, re.M)
+    assert len(set(found)) == 1, (pattern, found)
+    return found[0].replace(",", "")
+
+
+LAB, CHECKS = "tests/helpers/slurm_lab.py", "checks/examples.py"
+# (page, what the page says, where the value is set, how): each pattern one number.
+QUOTED = [
+    ("testing.md", r"(\d+) CPUs and [\d,]+ MB per node", LAB, r"CPUs=(\d+) "),
+    ("testing.md", r"\d+ CPUs and ([\d,]+) MB per node", LAB, r"RealMemory=(\d+) "),
+    ("testing.md", r"`KillWait=(\d+)`", LAB, r"^KillWait=(\d+)$"),
+    ("testing.md", r"`SlurmdTimeout=(\d+)`", LAB, r"^SlurmdTimeout=(\d+)$"),
+    ("clusters/generic.md", r"here (\d+) s\)", LAB, r"GraceTime=(\d+)"),
+    ("clusters/generic.md", r"\((\d+) s where this was checked\)", LAB,
+     r"^SlurmdTimeout=(\d+)$"),
+    ("verify.md", r"`max_jobs` \((\d+)\)", "checks/site_template.py",
+     r'"max_jobs": (\d+)'),
+    ("verify.md", r"runs for (\d+) minutes at most", CHECKS, r'time_limit = "(\d+)m"'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("page", "said", "source", "set_as"), QUOTED, ids=lambda x: str(x)[:30]
+)
+def test_the_pages_quote_the_settings_as_the_code_sets_them(page, said, source, set_as):
+    text = " ".join((DOCS / page).read_text().split())
+    code = re.sub(r"(?m)^\s+", "", (ROOT / source).read_text())
+    assert number_in(said, text) == number_in(set_as, code)
+
+
+def test_the_testing_page_counts_the_jobs_that_run_on_every_version():
+    import test_slurm
+
+    text = " ".join((DOCS / "testing.md").read_text().split())
+    words = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven"}
+    assert f"{words[len(test_slurm.EVERY_VERSION_RUNS)]} `job.sh` to completion" in text

@@ -331,7 +331,11 @@ def test_accelerate_launch_with_the_batch_scripts_node_id_hangs(lab, tmp_path):
         ("0", "cn1"),
         ("0", "cn2"),
     ], done.output
+    # Killed by the timeout (status 124) on both nodes: no error of its own, no sum.
     assert not done.ok and "sum 4" not in done.output, done.output
+    assert len(re.findall(r"task \d: Exited with exit code 124", done.output)) == 2, (
+        done.output
+    )
 
 
 # ------------------------------------------------------------

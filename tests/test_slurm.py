@@ -106,7 +106,7 @@ SINCE = {"mila": pytest.mark.since_slurm("23.11")}
 
 def completion_marks(name: str) -> tuple:
     if name == "generic/container":  # needs Apptainer: 26.05 (tests/test_containers.py)
-        return (pytest.mark.apptainer,)
+        return (pytest.mark.apptainer, every_version)
     if name not in EVERY_VERSION_RUNS:
         return ()
     site = name.split("/")[0]

@@ -23,10 +23,18 @@ def job_scripts(root: Path) -> dict[str, str]:
 
 
 def asked(job_sh: str) -> tuple[int, int]:
-    """The nodes a job.sh asks for, and the GPUs on each (1 where it names none)."""
+    """The nodes a job.sh asks for, and the GPUs on each. Only --gpus-per-node is
+    understood: a job.sh that asks for GPUs in another way (--gres, --gpus-per-task)
+    or not at all stops the build, rather than be counted wrong."""
     nodes = re.search(r"^#SBATCH\s+--nodes=(\d+)", job_sh, re.M)
-    gpus = re.search(r"^#SBATCH\s+--gpus-per-node=(?:\w+:)?(\d+)", job_sh, re.M)
-    return (int(nodes[1]) if nodes else 1), (int(gpus[1]) if gpus else 1)
+    gpus = re.search(r"^#SBATCH\s+--gpus-per-node=(?:\w+:)?(\d+)\s*$", job_sh, re.M)
+    other = re.search(r"^#SBATCH\s+--(gres=\S*gpu|gpus-per-task)", job_sh, re.M)
+    if gpus is None or other is not None:
+        first = job_sh.splitlines()[:3]
+        raise ValueError(
+            f"a job.sh that asks for GPUs other than by --gpus-per-node: {first}"
+        )
+    return (int(nodes[1]) if nodes else 1), int(gpus[1])
 
 
 def generic_checks(root: Path) -> list[str]:
