@@ -431,3 +431,53 @@ def test_the_testing_page_counts_the_jobs_that_run_on_every_version():
     text = " ".join((DOCS / "testing.md").read_text().split())
     words = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven"}
     assert f"{words[len(test_slurm.EVERY_VERSION_RUNS)]} `job.sh` to completion" in text
+
+
+# ------------------------------------------------------------
+# Versions the pages name: the pinned ones
+
+
+def pins() -> dict[str, str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    found = {}
+    for group in config["dependency-groups"].values():
+        for requirement in group:
+            if isinstance(requirement, str) and "==" in requirement:
+                name, version = requirement.split("==")
+                found[name.lower()] = version
+    return found
+
+
+NAMED_VERSION = {  # how the pages name a package's version in words
+    # A version with a build tag (2.11.0+cu130) is a measurement's machine, not a pin.
+    "torch": r"\btorch (\d+\.\d+(?:\.\d+)?)(?![+\d.])",
+    "lightning": r"\bLightning (\d+\.\d+\.\d+)\b",
+    "accelerate": r"\bAccelerate (\d+\.\d+\.\d+)\b",
+    "reframe-hpc": r"\bReFrame (\d+\.\d+\.\d+)\b",
+}
+
+
+def test_the_versions_the_pages_name_are_the_pinned_ones():
+    pinned = pins()
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "requires-python"
+    ]
+    files = [*PAGES, ROOT / "README.md", *(ROOT / "examples").glob("*/*/job.sh")]
+    wrong = []
+    for path in files:
+        text = path.read_text()
+        for name, version in re.findall(r"\b([\w-]+)==(\d[\w.]*)", text):
+            if name.lower() in pinned and version != pinned[name.lower()]:
+                wrong.append(f"{path.name}: {name}=={version}, pinned {pinned[name]}")
+        for name, pattern in NAMED_VERSION.items():
+            for version in re.findall(pattern, text):
+                if not pinned[name].startswith(version):
+                    wrong.append(
+                        f"{path.name}: {name} {version}, pinned {pinned[name]}"
+                    )
+        for version in re.findall(
+            r"Python (3\.\d+) or newer|older than (3\.\d+)", text
+        ):
+            if f">={version[0] or version[1]}" != requires:
+                wrong.append(f"{path.name}: Python {version}, requires {requires}")
+    assert not wrong, "\n".join(wrong)

@@ -280,25 +280,35 @@ dist.destroy_process_group()
 """
 
 
+# `accelerate launch` of the probe: 2 machines of 2 processes, at the first node.
+LAUNCH = (
+    f"{Path(sys.executable).parent / 'accelerate'} launch --multi_gpu --num_machines 2 "
+    "--num_processes 4 --machine_rank $SLURM_NODEID --main_process_ip $MASTER_ADDR "
+    "--main_process_port 29531 probe.py"
+)
+
+
+def accelerate_job(lab, tmp_path: Path, srun_line: str):
+    """A job of a task on each of 2 nodes that runs `srun_line`, the probe beside it."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -1)\n'
+        "export MASTER_ADDR\n"
+        f"export OMP_NUM_THREADS=1\n{srun_line}\n"
+    )
+    options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"]
+    job = lab.sbatch(script, site=None, workdir=tmp_path, options=options)
+    return lab.wait(job, tmp_path, timeout=JOB_TIMEOUT)
+
+
 @slurm
 def test_accelerate_launch_once_per_node_gives_each_node_its_rank(lab, tmp_path):
     # The launchers page's recipe for keeping `accelerate launch`: one task per node,
     # the four settings, and each task's own $SLURM_NODEID, in single quotes. On CPUs:
     # a small program that joins the group over gloo and sums a one from every rank.
-    (tmp_path / "probe.py").write_text(PROBE)
-    accelerate = Path(sys.executable).parent / "accelerate"
-    script = tmp_path / "job.sh"
-    script.write_text(
-        "#!/bin/bash\n"
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
-        "export OMP_NUM_THREADS=1\n"
-        f"srun bash -c '{accelerate} launch --multi_gpu --num_machines 2 "
-        "--num_processes 4 --machine_rank $SLURM_NODEID "
-        "--main_process_ip '\"$MASTER_ADDR\"' --main_process_port 29531 probe.py'\n"
-    )
-    options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"]
-    job = lab.sbatch(script, site=None, workdir=tmp_path, options=options)
-    done = lab.wait(job, tmp_path, timeout=JOB_TIMEOUT)
+    done = accelerate_job(lab, tmp_path, f"srun bash -c '{LAUNCH}'")
     assert done.ok, done.output
     seen = re.findall(r"rank (\d) of 4, machine (\d) on (cn\d): sum 4", done.output)
     assert sorted(int(rank) for rank, _, _ in seen) == [0, 1, 2, 3], done.output
@@ -312,21 +322,9 @@ def test_accelerate_launch_with_the_batch_scripts_node_id_hangs(lab, tmp_path):
     # The troubleshooting page's symptom: $SLURM_NODEID in double quotes is the batch
     # script's, 0 on every node. Both nodes claim machine 0, and no group forms: in
     # twice the time the quoted form takes to train, no rank has summed anything.
-    (tmp_path / "probe.py").write_text(PROBE)
-    accelerate = Path(sys.executable).parent / "accelerate"
-    script = tmp_path / "job.sh"
-    script.write_text(
-        "#!/bin/bash\n"
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
-        "export OMP_NUM_THREADS=1\n"
-        'srun bash -c "echo machine $SLURM_NODEID on \\$(hostname); '
-        f"timeout 20 {accelerate} launch --multi_gpu --num_machines 2 "
-        "--num_processes 4 --machine_rank $SLURM_NODEID "
-        '--main_process_ip $MASTER_ADDR --main_process_port 29532 probe.py"\n'
-    )
-    options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"]
-    job = lab.sbatch(script, site=None, workdir=tmp_path, options=options)
-    done = lab.wait(job, tmp_path, timeout=JOB_TIMEOUT)
+    echo = "echo machine $SLURM_NODEID on \\$(hostname)"
+    line = f'srun bash -c "{echo}; timeout 20 {LAUNCH}"'
+    done = accelerate_job(lab, tmp_path, line)
     assert sorted(re.findall(r"machine (\d) on (cn\d)", done.output)) == [
         ("0", "cn1"),
         ("0", "cn2"),

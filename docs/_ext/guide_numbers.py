@@ -2,9 +2,9 @@
 
 docs/conf.py hands these to MyST as substitutions: a page writes {{ generic_checks }}
 where it states how many checks ReFrame lists, and the number follows the files. The
-tests hold each value to what it counts (tests/test_claims.py: the checks that ReFrame
-really lists, the GPUs of the job.sh files, the versions nox runs), and fail where a
-page writes one of these numbers by hand.
+tests hold each value to what it counts (tests/test_checks.py: the checks that ReFrame
+really lists, and the GPUs of their job.sh files), show that it follows a change to the
+files, and fail where a page writes one of these numbers by hand (tests/test_claims.py).
 """
 
 import re
