@@ -1,10 +1,14 @@
 """Every example, run in CPU smoke mode as its job.sh
 launches it, must train correctly."""
 
+import contextlib
 import dataclasses
+import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -368,3 +372,74 @@ def test_a_folder_copied_out_of_the_guide_runs_alone(name, tmp_path):
     shutil.copytree(EXAMPLES_DIR / name, folder, ignore=shutil.ignore_patterns("__*"))
     run = run_example(name, folder=folder)
     assert run.summaries and check_run(run) == [], run.output
+
+
+# ------------------------------------------------------------
+# What torchrun does with a failed worker and with signals (the launchers page)
+
+WORKER = """import os, signal, sys, time
+rank = int(os.environ["RANK"])
+def stop(sig, frame):
+    time.sleep(1)  # a save
+    open(f"saved-{signal.Signals(sig).name}-{rank}", "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGUSR1, stop)
+open(f"ready-{rank}", "w").write(str(os.getpid()))
+if rank == 1 and sys.argv[1:] == ["fail"]:
+    sys.exit(3)
+time.sleep(120)
+"""
+
+
+def torchrun(tmp_path: Path, *args: str) -> subprocess.Popen:
+    """torchrun of 2 workers, its output in out.txt: a file, not a pipe, which workers
+    left behind would hold open."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone"]
+    with open(tmp_path / "out.txt", "w") as out:
+        return subprocess.Popen(
+            [*command, "--nproc-per-node=2", *args],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+def test_torchrun_stops_its_other_workers_and_fails_when_one_fails(tmp_path):
+    # With --max-restarts at its default, 0: no restart, SIGTERM to the others, and
+    # torchrun ends with an error that names the failed rank.
+    run = torchrun(tmp_path, "worker.py", "fail")
+    run.wait(timeout=120)
+    output = (tmp_path / "out.txt").read_text()
+    assert run.returncode == 1, output
+    assert (tmp_path / "saved-SIGTERM-0").exists(), output
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: 3", output), output
+
+
+@pytest.mark.parametrize("handled", [True, False], ids=["handled", "default"])
+def test_torchrun_waits_for_its_workers_at_sigusr1_only_when_told_to(tmp_path, handled):
+    # SIGUSR1 is not among the signals torchrun handles: by default it ends torchrun at
+    # once (128 + 10), and its workers never hear of it. Added to --signals-to-handle,
+    # it reaches the workers, and torchrun ends after their save.
+    flag = (
+        ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"] if handled else []
+    )
+    run = torchrun(tmp_path, *flag, "worker.py")
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
+            assert run.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        run.send_signal(signal.SIGUSR1)
+        run.wait(timeout=120)
+        output = (tmp_path / "out.txt").read_text()
+        saved = sorted(p.name for p in tmp_path.glob("saved-*"))
+        if handled:
+            assert saved == ["saved-SIGUSR1-0", "saved-SIGUSR1-1"], output
+            assert "SignalException" in output and run.returncode == 1, output
+        else:
+            assert saved == [] and run.returncode == -signal.SIGUSR1, output
+    finally:
+        run.kill()
+        for ready in tmp_path.glob("ready-*"):  # the default case's orphans
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(ready.read_text()), signal.SIGKILL)
