@@ -443,3 +443,34 @@ def test_torchrun_waits_for_its_workers_at_sigusr1_only_when_told_to(tmp_path, h
         for ready in tmp_path.glob("ready-*"):  # the default case's orphans
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(ready.read_text()), signal.SIGKILL)
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("ignored", [True, False], ids=["ignored", "default"])
+def test_workers_that_ignore_the_stop_signals_outlive_sigterm(ignored):
+    # troubleshooting.md: with the fork start method, a worker_init_fn that ignores
+    # SIGTERM and SIGUSR1 keeps Slurm's signals away from the workers, but then
+    # SIGTERM cannot end them either. Without it, SIGTERM ends a worker.
+    import torch
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(
+        torch.arange(8), num_workers=1, multiprocessing_context="fork",
+        worker_init_fn=ignore_stop_signals if ignored else None,
+    )  # fmt: skip
+    batches = iter(loader)
+    next(batches)
+    [worker] = batches._workers
+    os.kill(worker.pid, signal.SIGTERM)
+    worker.join(2)
+    alive = worker.is_alive()
+    # The loader's own shutdown sends SIGTERM too, in vain where it is ignored.
+    batches._shutdown_workers()
+    if worker.is_alive():
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+    assert alive == ignored
