@@ -386,7 +386,7 @@ def stop(sig, frame):
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGUSR1, stop)
 open(f"ready-{rank}", "w").write(str(os.getpid()))
-if rank == 1 and sys.argv[1:] == ["fail"]:
+if sys.argv[1:] == ["fail"] and rank == int(os.environ["WORLD_SIZE"]) - 1:
     sys.exit(3)
 time.sleep(120)
 """

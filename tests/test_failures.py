@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,7 @@ from smoke import (
     parse_summaries,
     unwrapped,
 )
+from test_examples import WORKER
 
 pytestmark = pytest.mark.slurm
 
@@ -737,3 +739,31 @@ def test_without_kill_on_bad_exit_srun_reports_the_failed_task_and_waits(lab, tm
     assert re.search(r"task 1: Exited with exit code 3", done.output), done.output
     assert "task 0 finished" in done.output, done.output
     assert "srun exit status: 3" in done.output, done.output
+
+
+def test_kill_on_bad_exit_stops_the_other_nodes_torchrun(lab, tmp_path):
+    # launchers.md: srun starting torchrun once per node; the last rank, on the second
+    # node, fails. Its torchrun ends with an error, and --kill-on-bad-exit=1 stops the
+    # first node's torchrun at once, which passes the SIGTERM on to its workers.
+    (tmp_path / "worker.py").write_text(WORKER)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -1)\n'
+        f"srun --kill-on-bad-exit=1 {torchrun} --nnodes=2 --nproc-per-node=2 "
+        "--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29541 "
+        "--rdzv-id=$SLURM_JOB_ID worker.py fail\n"
+    )
+    options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"]
+    job = lab.sbatch(script, site=None, workdir=tmp_path, options=options)
+    done = lab.wait(job, tmp_path, timeout=FAIL_FAST)
+    assert done.state == "FAILED", done.output
+    # Every worker started; the ones of the node whose torchrun srun stopped saved.
+    assert sorted(p.name for p in tmp_path.glob("ready-*")) == [
+        f"ready-{rank}" for rank in range(4)
+    ], done.output
+    saved = sorted(p.name for p in tmp_path.glob("saved-SIGTERM-*"))
+    print(saved, done.elapsed)
+    assert len(saved) == 3, (saved, done.output)
+    assert re.search(r"task [01]: Exited with exit code 1", done.output), done.output
