@@ -501,3 +501,45 @@ def test_the_memory_table_on_the_page_is_what_the_script_measures():
         assert (
             abs(total(processes, "FSDP2") - total("1", "DDP") / int(processes)) <= 0.2
         )
+
+
+RESET_ON_SHARDS = """import sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+def run(rank, store, out):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2
+    )
+    with torch.device("meta"):
+        layer = torch.nn.Linear(4, 8)
+    fully_shard(layer, mesh=init_device_mesh("cpu", (2,)))
+    layer.to_empty(device="cpu")
+    torch.manual_seed(0)
+    layer.reset_parameters()
+    weight = layer.weight.full_tensor()
+    if rank == 0:
+        torch.save(weight, out)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(sys.argv[1], sys.argv[2]), nprocs=2)
+"""
+
+
+def test_a_modules_own_reset_parameters_repeats_its_shards_on_cpus(tmp_path):
+    # fsdp.md: why init_weights() draws whole parameters. A Linear's own
+    # reset_parameters() on 2 CPU shards draws the same values on each: the 8 x 4
+    # weight is its first 4 rows twice.
+    script = tmp_path / "reset.py"
+    script.write_text(RESET_ON_SHARDS)
+    out = tmp_path / "weight.pt"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store"), str(out)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    weight = torch.load(out)
+    assert torch.equal(weight[:4], weight[4:]) and not torch.equal(weight[0], weight[1])
