@@ -767,3 +767,25 @@ def test_kill_on_bad_exit_stops_the_other_nodes_torchrun(lab, tmp_path):
     print(saved, done.elapsed)
     assert len(saved) == 3, (saved, done.output)
     assert re.search(r"task [01]: Exited with exit code 1", done.output), done.output
+
+
+def test_sigusr1_to_a_batch_shell_without_a_trap_ends_the_job(lab, tmp_path):
+    # launchers.md and the Mila page: what --signal=B:USR1@... does to a job.sh with no
+    # trap. The signal is sent as B: sends it, to the batch shell alone (scancel -b):
+    # bash dies of it, and Slurm ends the step that trains, long before its end.
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        "srun bash -c 'touch started; sleep 60; echo training finished'\n"
+        'echo "the batch script went on"\n'
+    )
+    job = lab.sbatch(script, site=None, workdir=tmp_path, options=["--ntasks=1"])
+    wait_until(lambda: (script.parent / "started").exists(), 60, "the step")
+    subprocess.run(
+        ["scancel", "--batch", "--signal=USR1", job], env=lab.env(), check=True
+    )
+    done = lab.wait(job, tmp_path, timeout=FAIL_FAST)
+    assert done.state in {"FAILED", "CANCELLED"} and done.elapsed < 40, done
+    assert "training finished" not in done.output, done.output
+    assert "the batch script went on" not in done.output, done.output
+    assert lab.job_info(job).get("ExitCode", "").endswith(":10"), lab.job_info(job)
