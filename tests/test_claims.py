@@ -11,20 +11,19 @@
 - Where two pages state the same fact, they state it alike.
 """
 
-import ast
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import guide_numbers
 import page_text
 import pytest
 import tomllib
 from page_text import DOCS, PAGES
+from smoke import load_main
 
 ROOT = DOCS.parent
 HOW_TO_PAGES = [p for p in PAGES if p.stem not in {"testing", "glossary"}]
@@ -128,26 +127,10 @@ OPTIONS_OF = {
 }
 
 
-def defaults_in(path: Path) -> dict[str, object]:
-    """The defaults of a main.py's options, as its add("--name", ..., default=...)
-    calls give them; a flag without a default is off."""
-    found = {}
-    for node in ast.walk(ast.parse(path.read_text())):
-        if (
-            isinstance(node, ast.Call)
-            and getattr(node.func, "id", getattr(node.func, "attr", ""))
-            in ("add", "add_argument")
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and str(node.args[0].value).startswith("--")
-        ):
-            default = {k.arg: k.value for k in node.keywords}.get("default")
-            try:
-                value = ast.literal_eval(default) if default is not None else False
-            except ValueError:  # computed: os.environ.get(...), Path(...)
-                value = ast.unparse(default)
-            found[node.args[0].value] = value
-    return found
+def example_defaults(name: str) -> dict[str, object]:
+    """The defaults of an example's options, as its own parse_args() gives them."""
+    args = vars(load_main(name).parse_args([]))
+    return {"--" + dest.replace("_", "-"): value for dest, value in args.items()}
 
 
 def torchrun_defaults() -> dict[str, object]:
@@ -184,7 +167,8 @@ def test_the_defaults_a_page_states_are_the_codes(page):
     else:
         defaults = {}
         for main in (ROOT / "examples").glob(f"{whose}/main.py"):
-            for flag, value in defaults_in(main).items():
+            name = str(main.parent.relative_to(ROOT / "examples"))
+            for flag, value in example_defaults(name).items():
                 defaults.setdefault(flag, []).append(value)
     for flag, value in stated:
         assert flag in defaults, f"{page.name}: {flag} is not an option of {whose}"
@@ -193,19 +177,15 @@ def test_the_defaults_a_page_states_are_the_codes(page):
         )
 
 
-def test_stated_defaults_are_found_and_checked(tmp_path):
+def test_stated_defaults_are_found_and_checked():
     text = (
         "`--max-restarts` requeues (20 by default), `--warmup` ones (default 5), "
         "`--compile` (off by default)."
     )
     found = [(m[1], m[2] or m[3]) for m in STATED_DEFAULT.finditer(text)]
     assert found == [("--max-restarts", "20"), ("--warmup", "5"), ("--compile", "off")]
-    main = tmp_path / "main.py"
-    main.write_text(
-        'add("--max-restarts", type=int, default=20)\n'
-        'parser.add_argument("--compile", action="store_true")\n'
-    )
-    assert defaults_in(main) == {"--max-restarts": 20, "--compile": False}
+    template = example_defaults("generic/template")
+    assert template["--max-restarts"] == 20 and template["--compile"] is None
     assert same("20", 20) and same("50,000", 50_000) and not same("21", 20)
     assert torchrun_defaults()["--max-restarts"] == 0
 
