@@ -1,11 +1,15 @@
 """The snippets on the concepts and troubleshooting pages
 give the results the pages state."""
 
+import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from page_text import DOCS
 from smoke import base_env, decode_records
 
 SNIPPETS = Path(__file__).resolve().parent.parent / "docs" / "snippets"
@@ -96,3 +100,30 @@ def test_an_unused_parameter_gives_ddps_error_and_each_fix_removes_it():
         ]
         assert r["find_unused_parameters"] is None
         assert r["requires_grad_false"] is None
+
+
+def test_py_spy_reads_native_frames_only_without_nonblocking():
+    # The page's advice for C++ frames: --native in place of stacks.sh's --nonblocking,
+    # as py-spy refuses the two together. No Slurm needed: a sleeping Python process.
+    page = " ".join((DOCS / "troubleshooting.md").read_text().split())
+    assert "replace `--nonblocking` with `--native`" in page
+    py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(1)
+        pid = str(sleeper.pid)
+        both = subprocess.run(
+            [py_spy, "dump", "--native", "--nonblocking", "--pid", pid],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert both.returncode != 0
+        assert "--nonblocking" in both.stdout + both.stderr
+        native = subprocess.run(
+            [py_spy, "dump", "--native", "--pid", pid],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert native.returncode == 0, native.stderr
+        # A C frame under the Python one: the libc call that time.sleep makes.
+        assert re.search(r"^\s+\w*sleep \(libc\.so", native.stdout, re.M), native.stdout
+    finally:
+        sleeper.kill()
