@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -268,12 +269,17 @@ def test_the_template_requeued_resumes_exactly(lab, tmp_path, section):
     # the job must end bitwise equal to the same job uninterrupted.
     own_args, val_samples = TEMPLATE_RUNS[section]
     folder = EXAMPLES_DIR / "generic" / "template"
+    data = {}  # the site's image archive
     if section == "language_model":
         folder = write_language_model_template(tmp_path / "language_model")
         # 40 steps an epoch: a step takes milliseconds, and the requeue must come
-        # before the end.
-        data = write_token_files(tmp_path / "tokens", 1360, val_sequences=13)
-        own_args = (*own_args, "--data-dir", str(data))
+        # before the end. The token files in an archive of their own, which job.sh
+        # copies to each node as it does the images (DATA_ARCHIVE).
+        tokens = write_token_files(tmp_path / "tokens", 1360, val_sequences=13)
+        with tarfile.open(tmp_path / "tokens.tar", "w") as archive:
+            for name in ("train.bin", "val.bin"):
+                archive.add(tokens / name, arcname=name)
+        data = {"DATA_ARCHIVE": str(tmp_path / "tokens.tar")}
     args = (
         *own_args, "--accumulation-steps", "2", "--epochs", "2", "--warmup-steps", "4",
         "--log-every", "5", "--num-workers", "2",
@@ -284,7 +290,7 @@ def test_the_template_requeued_resumes_exactly(lab, tmp_path, section):
         return lab.sbatch(
             folder / "job.sh", *args, site="generic", workdir=workdir,
             options=[f"--job-name={run_name(workdir)}", *EXACT_LAYOUT, *partition],
-            OMP_NUM_THREADS="1",
+            OMP_NUM_THREADS="1", **data,
         )  # fmt: skip
 
     plain = submit_template(tmp_path / "plain")
@@ -311,6 +317,7 @@ def test_the_template_requeued_resumes_exactly(lab, tmp_path, section):
     summary = mine[0]
     assert summary["finished"] and summary["last_loss"] < summary["first_loss"], mine
     assert all(s["val_samples"] == val_samples for s in mine), mine
+    assert "Unpacked the dataset in" in requeued.output, requeued.output
     right = summary["val_accuracy"] * val_samples  # a share of tokens, or of images
     assert abs(right - round(right)) < 1e-6, mine
     print(f"{section}: requeued at step {stops[0]}: final state bitwise equal")
@@ -672,12 +679,12 @@ def test_the_template_without_its_dataset_archive_stops_before_srun(lab, tmp_pat
 TOO_LARGE = {
     "disk": (
         4 << 40, "generic", [],
-        r"error: {node}: \S+/imagenet has \d+ GiB free, and the dataset needs 4300 "
+        r"error: {node}: \S+/dataset has \d+ GiB free, and the dataset needs 4300 "
         r"GiB: set local_disk in job.sh to a larger disk",
     ),
     "memory": (
         6 << 30, "tmpfs_local_disk", ["--mem=8G"],
-        r"error: {node}: /dev/shm/\S+/imagenet is in memory \(tmpfs\): the dataset "
+        r"error: {node}: /dev/shm/\S+/dataset is in memory \(tmpfs\): the dataset "
         r"needs 6 GiB of the 8 GiB the job asked for per node, more than half",
     ),
 }  # fmt: skip

@@ -181,10 +181,12 @@ def test_job_completes_with_every_rank_on_its_node(lab, jobs, name):
 def slurm_lines(name: str) -> list[str]:
     """What Slurm reads and runs in a job.sh, but for the lines that differ between
     steps without changing how Slurm runs them: the job name, the time limit, the
-    dataset's place, how much NCCL logs, and the template's copy of the dataset to each
-    node (its section, up to the next blank line)."""
+    dataset's place, how much NCCL logs, and the template's own sections: the copy of
+    the dataset to each node, and the sweep, which acts in a job array only (each up to
+    the next blank line)."""
     text = (EXAMPLES_DIR / name / "job.sh").read_text()
-    text = re.sub(r"# --- Copy the dataset .*?\n\n", "", text, flags=re.DOTALL)
+    own = r"# --- (Copy the dataset|A sweep)\b.*?\n\n"
+    text = re.sub(own, "", text, flags=re.DOTALL)
     return [
         line
         for line in text.splitlines()
@@ -214,7 +216,7 @@ def test_the_template_unpacks_the_dataset_on_every_node(lab, jobs, name):
     job = jobs(name)
     assert job.ok, job.output
     # Training read the copy on the node's disk ($SLURM_TMPDIR, from the TaskProlog).
-    unpacked = f"{lab.state}/local-disk/{job.job_id}/imagenet"
+    unpacked = f"{lab.state}/local-disk/{job.job_id}/dataset"
     assert re.search(
         rf"Unpacked the dataset in {unpacked} on every node in \d+ s", job.output
     ), job.output
@@ -223,7 +225,7 @@ def test_the_template_unpacks_the_dataset_on_every_node(lab, jobs, name):
     images = sorted(p.relative_to(shared) for p in shared.rglob("*") if p.is_file())
     assert images
     for node in NODES:
-        copy = lab.state / "nodes" / node / "local-disk" / job.job_id / "imagenet"
+        copy = lab.state / "nodes" / node / "local-disk" / job.job_id / "dataset"
         copied = [p.relative_to(copy) for p in copy.rglob("*") if p.is_file()]
         assert sorted(copied) == images, node
 

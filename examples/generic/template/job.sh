@@ -18,6 +18,7 @@
 # resubmitted with the same name resumes, after a time limit, an scancel or a failed
 # requeue. Start a new run with another name: `sbatch --job-name=template-2 job.sh`.
 # singleton: one job of a name runs at a time, or two would write the same checkpoints.
+# (The tasks of one job array still run together: see "A sweep" below.)
 #SBATCH --dependency=singleton
 # --- Site-specific #SBATCH lines: remove a "#" to use one -----------------------------
 # (values: see "Adapt it to your cluster" in the guide)
@@ -42,16 +43,19 @@ source "$HOME/venvs/ddp/bin/activate"
 # once into one archive, with train/ and val/ at its top, on storage that every node
 # reads. JPEGs do not compress: leave it uncompressed. For example, in a CPU job:
 #   tar -cf $SCRATCH/data/imagenet.tar -C /path/to/imagenet train val
+# A language model's token files (the section of language_model.py) travel the same
+# way, in an archive of their own:
+#   tar -cf $SCRATCH/data/tokens.tar -C /path/to/tokens train.bin val.bin
 # `sbatch job.sh --synthetic-data` needs none. An archive named at submission wins:
-# `sbatch --export=ALL,DATA_ARCHIVE=$SCRATCH/data/other.tar job.sh`.
+# `sbatch --export=ALL,DATA_ARCHIVE=$SCRATCH/data/tokens.tar job.sh`.
 export DATA_ARCHIVE=${DATA_ARCHIVE:-$SCRATCH/data/imagenet.tar}
 # A folder on each node's own disk, private to the job and emptied when it ends, at the
 # same path on every node: each node unpacks the archive there. $SLURM_TMPDIR at Mila
 # and the Alliance; /tmp where Slurm gives each job its own (job_container/tmpfs up to
 # Slurm 25.05, namespace/tmpfs or namespace/linux from 25.11).
 local_disk=$SLURM_TMPDIR
-# main.py reads the images from DATA_DIR.
-export DATA_DIR=$local_disk/imagenet
+# main.py reads the dataset from DATA_DIR.
+export DATA_DIR=$local_disk/dataset
 # --- Site-specific: storage that outlives the job and that every node sees ------------
 storage=${SCRATCH:?"is not set: set it, or this line, to shared storage outliving jobs"}
 export CHECKPOINT_DIR=$storage/checkpoints/$SLURM_JOB_NAME
@@ -60,6 +64,38 @@ if ! mkdir -p "$CHECKPOINT_DIR" || [[ ! -w $CHECKPOINT_DIR ]]; then
     echo "error: cannot write checkpoints to $CHECKPOINT_DIR" >&2
     exit 1
 fi
+
+# --- A sweep: one run per task of a job array -----------------------------------------
+# `sbatch --job-name=lr-sweep --array=0-2%2 job.sh --epochs 10` runs one run per line of
+# the file SWEEP_FILE (sweep.txt by default), 2 at a time (%2; without it, as many as
+# fit): task 0 adds the first line's arguments to those after job.sh, task 1 the
+# second's. Each task has its own checkpoints, under the job name and its task number,
+# and is requeued on its own. The tasks of one array run together: singleton holds back
+# another job of the same name only.
+settings=()
+if [[ -n ${SLURM_ARRAY_TASK_ID:-} ]]; then
+    sweep=${SWEEP_FILE:-sweep.txt}
+    if [[ ! -r $sweep ]]; then
+        echo "error: this is task $SLURM_ARRAY_TASK_ID of a job array, and there is" \
+            "no file $sweep of settings, one line per task: write it, or set" \
+            "SWEEP_FILE (sbatch --export=ALL,SWEEP_FILE=...)" >&2
+        exit 1
+    fi
+    mapfile -t lines < <(grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' "$sweep")
+    if ((SLURM_ARRAY_TASK_ID >= ${#lines[@]})); then
+        echo "error: task $SLURM_ARRAY_TASK_ID has no line in $sweep, which has" \
+            "${#lines[@]}: submit with --array=0-$((${#lines[@]} - 1))" >&2
+        exit 1
+    fi
+    read -ra settings <<<"${lines[SLURM_ARRAY_TASK_ID]}"
+    echo "Task $SLURM_ARRAY_TASK_ID of array $SLURM_ARRAY_JOB_ID: ${settings[*]}"
+    # A folder of its own in the sweep's, named by the task's number: a sweep
+    # resubmitted under the same name resumes each of its tasks.
+    export CHECKPOINT_DIR=$CHECKPOINT_DIR/task-$SLURM_ARRAY_TASK_ID
+    mkdir -p "$CHECKPOINT_DIR"
+fi
+# The task's own arguments come last: they win over the same ones after job.sh.
+set -- "$@" "${settings[@]}"
 
 # The resources Slurm granted, at the top of the output, for when something looks wrong.
 # Only a record: if the controller does not answer (a restart, say), the job goes on.

@@ -1,0 +1,153 @@
+"""A sweep as a job array, under the real Slurm test cluster: the template's job.sh
+submitted with `--array`, its settings taken from the template's own sweep.txt, one
+task preempted part-way through by Slurm and requeued on its own.
+
+What these tests hold the template to: the tasks run together, each in a folder of its
+own, and each ends bitwise equal to the same settings run alone as one plain job.
+"""
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from smoke import EXAMPLES_DIR, assert_bitwise_equal, load_checkpoint
+from test_failures import (
+    PREEMPTIBLE,
+    checkpoint_dir,
+    preempt,
+    read,
+    run_name,
+    start_now,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slurm
+
+TEMPLATE = EXAMPLES_DIR / "generic" / "template"
+# One process a task, on the site's image folder (cropped and flipped at random, with
+# a DataLoader worker): 2 epochs of 65 steps.
+ARGS = (
+    "--model", "resnet18", "--image-size", "32", "--batch-size", "2", "--epochs", "2",
+    "--warmup-steps", "4", "--log-every", "5", "--num-workers", "1",
+)  # fmt: skip
+# Small enough for three tasks and their three twins to share the two nodes.
+ONE_PROCESS = ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=1", "--mem=16G"]
+
+
+def sweep_lines() -> list[list[str]]:
+    """The arguments of each task, as job.sh reads sweep.txt."""
+    lines = (TEMPLATE / "sweep.txt").read_text().splitlines()
+    return [line.split() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def task_ids(lab, array: str, tasks: int) -> dict[int, str]:
+    """Each task's own job ID, once Slurm has started them all."""
+
+    def started():
+        ids = {}
+        for task in range(tasks):
+            info = lab.job_info(f"{array}_{task}")
+            if info.get("JobState") != "RUNNING":
+                return None
+            ids[task] = info["JobId"]
+        return ids
+
+    return wait_until(started, 120, f"every task of array {array} to run")
+
+
+def test_a_sweep_runs_its_tasks_together_each_exactly_as_alone(lab, tmp_path):
+    lines = sweep_lines()
+    assert len(lines) >= 3, lines
+    workdir = tmp_path / "sweep"
+    workdir.mkdir()
+    name = run_name(workdir)
+    array = lab.sbatch(
+        TEMPLATE / "job.sh", *ARGS, site="generic", workdir=workdir,
+        options=[f"--job-name={name}", f"--array=0-{len(lines) - 1}", *ONE_PROCESS,
+                 *PREEMPTIBLE],
+        OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    # No %K: every task runs at once, singleton (job.sh's) or not.
+    jobs = task_ids(lab, array, len(lines))
+    # The twins: each task's settings as one plain job, never interrupted.
+    twins = {}
+    for task, settings in enumerate(lines):
+        folder = tmp_path / f"alone-{task}"
+        folder.mkdir()
+        twins[task] = lab.sbatch(
+            TEMPLATE / "job.sh", *ARGS, *settings, site="generic", workdir=folder,
+            options=[f"--job-name={run_name(folder)}", *ONE_PROCESS],
+            OMP_NUM_THREADS="1",
+        )  # fmt: skip
+    # Once task 1 trains, a job of a higher priority needs its node: Slurm preempts a
+    # task there (task 1, or another on that node) and requeues it on its own.
+    victim = jobs[1]
+    output = workdir / f"slurm-{victim}.out"
+    wait_until(lambda: "epoch 0 step 10 |" in read(output), 180, "task 1 training")
+    node = lab.job_info(victim)["NodeList"]
+    preempt(lab, victim, node=node)
+    restarts = {}
+    deadline = time.monotonic() + 600
+    ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
+    while any(lab.job_info(j).get("JobState") not in ended for j in jobs.values()):
+        assert time.monotonic() < deadline, {j: lab.job_info(j) for j in jobs.values()}
+        for task, job in jobs.items():
+            info = lab.job_info(job)
+            if info.get("JobState") == "PENDING" and int(
+                info["Restarts"]
+            ) > restarts.get(task, 0):
+                restarts[task] = int(info["Restarts"])
+                start_now(lab, job)
+        time.sleep(0.5)
+    assert restarts and set(restarts.values()) == {1}, restarts
+    folders = set()
+    for task, job in jobs.items():
+        done = lab.wait(job, workdir, timeout=60)
+        alone_dir = tmp_path / f"alone-{task}"
+        alone = lab.wait(twins[task], alone_dir, timeout=600)
+        assert done.ok, done.output
+        assert alone.ok, alone.output
+        settings = " ".join(lines[task])
+        assert f"Task {task} of array {array}: {settings}" in done.output
+        mine = checkpoint_dir(lab, workdir) / f"task-{task}"
+        folders.add(mine)
+        ran = load_checkpoint(mine)
+        assert ran["arguments"]["checkpoint_dir"] == str(mine)
+        assert ran["arguments"]["learning_rate"] == float(lines[task][1])
+        assert_bitwise_equal(ran, load_checkpoint(checkpoint_dir(lab, alone_dir)))
+        if task in restarts:
+            assert re.search(r"Resumed from \S+ at step \d+", done.output), done.output
+    assert len(folders) == len(lines)
+    # The one line that makes a table of the sweep: a row per task, its learning rate.
+    table = subprocess.run(
+        [sys.executable, "summaries.py",
+         *sorted(str(f) for f in folders)],
+        cwd=TEMPLATE, capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    assert table[0].split()[:2] == ["run", "learning_rate"], table
+    rows = [row.split() for row in table[1:]]
+    assert [row[0] for row in rows] == [f"task-{t}" for t in range(len(lines))]
+    assert [float(row[1]) for row in rows] == [float(line[1]) for line in lines]
+    assert all(row[-1] == "True" for row in rows), table
+    print(f"array of {len(lines)} tasks, requeued {restarts}: each equal to its twin")
+
+
+def test_an_array_task_without_its_line_of_settings_stops_at_once(lab, tmp_path):
+    lines = sweep_lines()
+    workdir = tmp_path / "too-many"
+    workdir.mkdir()
+    array = lab.sbatch(
+        TEMPLATE / "job.sh", "--synthetic-data", site="generic", workdir=workdir,
+        options=[f"--job-name={run_name(workdir)}", f"--array={len(lines)}",
+                 *ONE_PROCESS],
+    )  # fmt: skip
+    # An array of one task: its job ID is the array's.
+    job = lab.wait(array, workdir, timeout=60)
+    assert job.state == "FAILED", job.output
+    assert (
+        f"error: task {len(lines)} has no line in sweep.txt, which has {len(lines)}: "
+        f"submit with --array=0-{len(lines) - 1}"
+    ) in job.output, job.output
+    assert "Running on" not in job.output, job.output
