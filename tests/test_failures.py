@@ -250,13 +250,19 @@ def test_a_preempted_mila_job_resumes_exactly(lab, tmp_path):
 
 
 # The template's two sections, each on its own data: the image folder (cropped and
-# flipped at random; 8 steps an epoch on 4 ranks), and token files. Validation counts
-# the 25 images, or each of the 13 x 16 validation tokens, once.
+# flipped at random; 8 steps an epoch on 4 ranks), for 2 epochs; and token files, for
+# 60 steps (an epoch and a half) with a validation every 15, as a language model is
+# trained. Validation counts the 25 images, or each of the 13 x 16 validation tokens,
+# once.
 TEMPLATE_RUNS = {
     "images": (
-        ("--model", "resnet18", "--image-size", "32", "--batch-size", "2"), 25
+        ("--model", "resnet18", "--image-size", "32", "--batch-size", "2",
+         "--epochs", "2"), 25,
     ),
-    "language_model": ((*MODEL_ARGS, "--batch-size", "4"), 13 * 16),
+    "language_model": (
+        (*MODEL_ARGS, "--batch-size", "4", "--train-steps", "60", "--eval-every", "15",
+         "--min-learning-rate", "1e-5"), 13 * 16,
+    ),
 }  # fmt: skip
 
 
@@ -281,7 +287,7 @@ def test_the_template_requeued_resumes_exactly(lab, tmp_path, section):
                 archive.add(tokens / name, arcname=name)
         data = {"DATA_ARCHIVE": str(tmp_path / "tokens.tar")}
     args = (
-        *own_args, "--accumulation-steps", "2", "--epochs", "2", "--warmup-steps", "4",
+        *own_args, "--accumulation-steps", "2", "--warmup-steps", "4",
         "--log-every", "5", "--num-workers", "2",
     )  # fmt: skip
 
@@ -318,6 +324,13 @@ def test_the_template_requeued_resumes_exactly(lab, tmp_path, section):
     assert summary["finished"] and summary["last_loss"] < summary["first_loss"], mine
     assert all(s["val_samples"] == val_samples for s in mine), mine
     assert "Unpacked the dataset in" in requeued.output, requeued.output
+    if section == "language_model":
+        # Validated every 15 steps and at the epoch's end, each time once, the stop and
+        # requeue notwithstanding.
+        validated = [int(s) for s in re.findall(r"Step (\d+): val", requeued.output)]
+        assert validated == sorted(set(validated)), requeued.output
+        assert [s for s in validated if s % 15 == 0] == [15, 30, 45, 60], validated
+        assert len(validated) == 5 and summary["steps"] == 60, (validated, mine)
     right = summary["val_accuracy"] * val_samples  # a share of tokens, or of images
     assert abs(right - round(right)) < 1e-6, mine
     print(f"{section}: requeued at step {stops[0]}: final state bitwise equal")

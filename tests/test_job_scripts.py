@@ -102,8 +102,9 @@ def test_every_resuming_script_asks_slurm_again_and_waits_out_a_grace_time():
         start = text.index(ASK_SLURM)
         functions.add(text[start : text.index("\n}\n", start)])
         calls = re.findall(
-            r'^.*\bscontrol (?:requeue|show job) "\$SLURM_JOB_ID".*$', text, re.M
-        )
+            r'^.*\bscontrol (?:requeue|show job) "\$(?:SLURM_JOB_ID|this_job)".*$',
+            text, re.M,
+        )  # fmt: skip
         # But the record at the top, which may fail: the job goes on.
         record = 'scontrol show job "$SLURM_JOB_ID" || true'
         assert all("ask_slurm scontrol" in c or c == record for c in calls), calls

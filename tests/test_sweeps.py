@@ -1,6 +1,6 @@
 """A sweep as a job array, under the real Slurm test cluster: the template's job.sh
 submitted with `--array`, its settings taken from the template's own sweep.txt, one
-task preempted part-way through by Slurm and requeued on its own.
+task warned by Slurm of its time limit part-way through, and requeued on its own.
 
 What these tests hold the template to: the tasks run together, each in a folder of its
 own, and each ends bitwise equal to the same settings run alone as one plain job.
@@ -14,9 +14,7 @@ import time
 import pytest
 from smoke import EXAMPLES_DIR, assert_bitwise_equal, load_checkpoint
 from test_failures import (
-    PREEMPTIBLE,
     checkpoint_dir,
-    preempt,
     read,
     run_name,
     start_now,
@@ -27,9 +25,9 @@ pytestmark = pytest.mark.slurm
 
 TEMPLATE = EXAMPLES_DIR / "generic" / "template"
 # One process a task, on the site's image folder (cropped and flipped at random, with
-# a DataLoader worker): 2 epochs of 65 steps.
+# a DataLoader worker): 3 epochs of 65 steps.
 ARGS = (
-    "--model", "resnet18", "--image-size", "32", "--batch-size", "2", "--epochs", "2",
+    "--model", "resnet18", "--image-size", "32", "--batch-size", "2", "--epochs", "3",
     "--warmup-steps", "4", "--log-every", "5", "--num-workers", "1",
 )  # fmt: skip
 # Small enough for three tasks and their three twins to share the two nodes.
@@ -65,8 +63,7 @@ def test_a_sweep_runs_its_tasks_together_each_exactly_as_alone(lab, tmp_path):
     name = run_name(workdir)
     array = lab.sbatch(
         TEMPLATE / "job.sh", *ARGS, site="generic", workdir=workdir,
-        options=[f"--job-name={name}", f"--array=0-{len(lines) - 1}", *ONE_PROCESS,
-                 *PREEMPTIBLE],
+        options=[f"--job-name={name}", f"--array=0-{len(lines) - 1}", *ONE_PROCESS],
         OMP_NUM_THREADS="1",
     )  # fmt: skip
     # No %K: every task runs at once, singleton (job.sh's) or not.
@@ -81,44 +78,53 @@ def test_a_sweep_runs_its_tasks_together_each_exactly_as_alone(lab, tmp_path):
             options=[f"--job-name={run_name(folder)}", *ONE_PROCESS],
             OMP_NUM_THREADS="1",
         )  # fmt: skip
-    # Once task 1 trains, a job of a higher priority needs its node: Slurm preempts a
-    # task there (task 1, or another on that node) and requeues it on its own.
-    victim = jobs[1]
-    output = workdir / f"slurm-{victim}.out"
-    wait_until(lambda: "epoch 0 step 10 |" in read(output), 180, "task 1 training")
-    node = lab.job_info(victim)["NodeList"]
-    preempt(lab, victim, node=node)
+    # The task that Slurm started last has the array's own ID as its job ID. Once it
+    # trains, its time limit is cut to 2 minutes: Slurm warns it at once (SIGUSR1,
+    # job.sh's --signal=USR1@120), and main.py saves and requeues that task alone.
+    # Requeued under the array's ID, every task would go back in the queue.
+    [warned] = [task for task, job in jobs.items() if job == array]
+    output = workdir / f"slurm-{array}.out"
+    wait_until(lambda: "epoch 0 step 10 |" in read(output), 180, "training")
+    limit(lab, f"{array}_{warned}", "2")
+    # Each task watched as <array>_<task>: `scontrol show job <array>` shows them all.
+    refs = {task: f"{array}_{task}" for task in jobs}
     restarts = {}
     deadline = time.monotonic() + 600
     ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
-    while any(lab.job_info(j).get("JobState") not in ended for j in jobs.values()):
-        assert time.monotonic() < deadline, {j: lab.job_info(j) for j in jobs.values()}
-        for task, job in jobs.items():
-            info = lab.job_info(job)
+    while any(lab.job_info(r).get("JobState") not in ended for r in refs.values()):
+        assert time.monotonic() < deadline, {r: lab.job_info(r) for r in refs.values()}
+        for task, ref in refs.items():
+            info = lab.job_info(ref)
             if info.get("JobState") == "PENDING" and int(
                 info["Restarts"]
             ) > restarts.get(task, 0):
                 restarts[task] = int(info["Restarts"])
-                start_now(lab, job)
+                limit(lab, ref, "60")  # the rest of the run: no warning
+                start_now(lab, ref)
         time.sleep(0.5)
-    assert restarts and set(restarts.values()) == {1}, restarts
+    assert restarts == {warned: 1}, restarts
     folders = set()
     for task, job in jobs.items():
-        done = lab.wait(job, workdir, timeout=60)
+        info, output = lab.job_info(refs[task]), read(workdir / f"slurm-{job}.out")
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output
         alone_dir = tmp_path / f"alone-{task}"
         alone = lab.wait(twins[task], alone_dir, timeout=600)
-        assert done.ok, done.output
         assert alone.ok, alone.output
         settings = " ".join(lines[task])
-        assert f"Task {task} of array {array}: {settings}" in done.output
+        assert f"Task {task} of array {array}: {settings}" in output
         mine = checkpoint_dir(lab, workdir) / f"task-{task}"
         folders.add(mine)
         ran = load_checkpoint(mine)
         assert ran["arguments"]["checkpoint_dir"] == str(mine)
         assert ran["arguments"]["learning_rate"] == float(lines[task][1])
         assert_bitwise_equal(ran, load_checkpoint(checkpoint_dir(lab, alone_dir)))
-        if task in restarts:
-            assert re.search(r"Resumed from \S+ at step \d+", done.output), done.output
+        stops = re.findall(r"Stopped at step (\d+), checkpoint saved", output)
+        if task == warned:
+            assert f"Requeueing job {array}_{task}" in output, output
+            assert len(stops) == 1, output
+            assert re.search(rf"Resumed from \S+ at step {stops[0]}\b", output), output
+        else:
+            assert not stops, output
     assert len(folders) == len(lines)
     # The one line that makes a table of the sweep: a row per task, its learning rate.
     table = subprocess.run(
@@ -132,6 +138,14 @@ def test_a_sweep_runs_its_tasks_together_each_exactly_as_alone(lab, tmp_path):
     assert [float(row[1]) for row in rows] == [float(line[1]) for line in lines]
     assert all(row[-1] == "True" for row in rows), table
     print(f"array of {len(lines)} tasks, requeued {restarts}: each equal to its twin")
+
+
+def limit(lab, job: str, minutes: str):
+    """Sets a job's time limit, as its owner may."""
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}"],
+        env=lab.env(), check=True, capture_output=True,
+    )  # fmt: skip
 
 
 def test_an_array_task_without_its_line_of_settings_stops_at_once(lab, tmp_path):

@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -27,8 +28,10 @@ from other_model import (
 from page_text import DOCS, page_command
 from smoke import (
     EXAMPLES_DIR,
+    assert_bitwise_equal,
     base_env,
     check_run,
+    load_checkpoint,
     load_main,
 )
 
@@ -102,6 +105,33 @@ def test_learning_rate_warms_up_linearly_then_decays_to_zero(example):
     assert decay[0] == 1.0 and decay[-1] == pytest.approx(0.0, abs=1e-12)
     assert all(a > b for a, b in zip(decay, decay[1:], strict=False))
     assert decay[4] == pytest.approx(0.5)  # halfway through the decay
+
+
+def test_a_run_in_steps_decays_over_its_steps_to_the_floor(example):
+    # --train-steps sets the schedule's length, whatever an epoch holds; the decay
+    # ends at --min-learning-rate and stays there.
+    args = example.parse_args(
+        ["--train-steps", "12", "--warmup-steps", "2", "--learning-rate", "1.0",
+         "--min-learning-rate", "0.1"]
+    )  # fmt: skip
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = example.make_scheduler(args, optimizer, steps_per_epoch=1000)
+    rates = []
+    for _ in range(15):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert rates[:3] == [0.5, 1.0, 1.0]
+    decay = rates[2:13]  # from the end of the warm-up to step 12
+    assert all(a > b for a, b in zip(decay, decay[1:], strict=False)), rates
+    assert rates[7] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: halfway to the floor
+    assert rates[12:] == pytest.approx([0.1] * 3), rates
+    # A floor above the rate itself is refused, with the reason.
+    high = example.parse_args(
+        ["--learning-rate", "1e-4", "--min-learning-rate", "1e-3"]
+    )
+    with pytest.raises(SystemExit, match="must be from 0 to --learning-rate"):
+        example.make_scheduler(high, optimizer, steps_per_epoch=10)
 
 
 def test_bf16_is_refused_where_it_cannot_run(example):
@@ -256,6 +286,89 @@ def test_the_adapt_pages_laptop_lines_stop_and_resume(tmp_path):
     assert sorted(s["rank"] for s in summaries) == [0, 1, 2, 3], output
     # 320 images, 4 processes of 8: 10 steps an epoch, 2 epochs.
     assert all(s["finished"] and s["steps"] == 20 for s in summaries), summaries
+
+
+def handed_records(output: str) -> list[tuple]:
+    """What hand_on() got, as the copy below prints it: kind, step and the numbers
+    that do not depend on time."""
+    timed = {"samples_per_s", "total_samples_per_s", "data_wait"}
+    records = [json.loads(r) for r in re.findall(r"^handed: (\{.*\})$", output, re.M)]
+    return [
+        (r.pop("kind"), r.pop("step"), {k: v for k, v in r.items() if k not in timed})
+        for r in records
+    ]
+
+
+def test_a_run_in_steps_stopped_in_a_mid_epoch_validation_resumes_exactly(tmp_path):
+    # A run of --train-steps 12 that validates every 6 steps, far from any epoch's end,
+    # on 2 processes under torchrun with a DataLoader worker each, and hand_on() made
+    # to print what it gets, as a reader's own code would take it. SIGTERM to torchrun
+    # (which passes it on) once the validation of step 6 has begun: the run saves and
+    # stops; run again, it validates step 6 first, then goes on. Its records and its
+    # final checkpoint are the uninterrupted run's.
+    folder = tmp_path / "template"
+    shutil.copytree(EXAMPLES_DIR / NAME, folder)
+    main = folder / "main.py"
+    source = main.read_text()
+    # The body that a reader writes under hand_on()'s docstring.
+    hook = re.search(r'\ndef hand_on\(.*?""".*?"""\n', source, re.S)
+    assert hook, "main.py has no hand_on() with a docstring"
+    main.write_text(source.replace(hook[0], hook[0] + (
+        '    print("handed: " + json.dumps({"kind": kind, "step": step, **numbers}), '
+        "flush=True)\n"
+    )))  # fmt: skip
+    # 800 validation images of 64 px: a validation of a second or two, long enough
+    # for the signal to land in it.
+    args = [
+        "--synthetic-data", "--synthetic-size", "40000", "--synthetic-classes", "10",
+        "--model", "resnet18", "--image-size", "64", "--batch-size", "8",
+        "--train-steps", "12", "--eval-every", "6", "--warmup-steps", "2",
+        "--log-every", "3", "--num-workers", "1", "--min-learning-rate", "1e-4",
+    ]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node=2", "main.py", *args]  # fmt: skip
+
+    def run(name: str, **popen) -> subprocess.Popen:
+        env = {**base_env(), "CHECKPOINT_DIR": str(tmp_path / name)}
+        return subprocess.Popen(torchrun, cwd=folder, env=env, **popen)
+
+    plain = run("plain", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    plain_output = plain.communicate(timeout=300)[0]
+    assert plain.returncode == 0, plain_output
+    log = tmp_path / "stopped.log"
+    with open(log, "w") as out:
+        first = run("stopped", stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 180
+            while "Epoch 0, step 6: validation" not in log.read_text():
+                assert first.poll() is None and time.monotonic() < deadline, (
+                    log.read_text()
+                )
+                time.sleep(0.02)
+            first.send_signal(signal.SIGTERM)
+            first.wait(timeout=60)
+        finally:
+            first.kill()
+    stopped = log.read_text()
+    assert stopped.count("Stopped at step 6, checkpoint saved") == 2, stopped
+    assert "Step 6: val loss" not in stopped, stopped
+    second = run("stopped", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    resumed = second.communicate(timeout=300)[0]
+    assert second.returncode == 0, resumed
+    assert re.search(r"Resumed from \S+ at step 6\b", resumed), resumed
+    # The validation that the stop cut short comes first, then training goes on.
+    assert resumed.index("Step 6: val loss") < resumed.index("step 9 |"), resumed
+    whole = handed_records(plain_output)
+    assert [(kind, step) for kind, step, _ in whole] == [
+        ("train", 3), ("train", 6), ("val", 6), ("train", 9), ("train", 12),
+        ("val", 12),
+    ]  # fmt: skip
+    assert handed_records(stopped) + handed_records(resumed) == whole
+    summaries = [json.loads(s) for s in re.findall(r"summary: (\{.*\})", resumed)]
+    assert [s["finished"] and s["steps"] == 12 for s in summaries] == [True, True]
+    assert_bitwise_equal(
+        load_checkpoint(tmp_path / "stopped"), load_checkpoint(tmp_path / "plain")
+    )
 
 
 def test_benchmark_reports_both_rates_for_each_row(tmp_path):

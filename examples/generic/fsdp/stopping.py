@@ -101,6 +101,10 @@ def requeue(stopped_by: int, max_restarts: int, folder: Path):
     """
     if (job_id := os.environ.get("SLURM_JOB_ID")) is None:
         return  # not a Slurm job
+    # In a job array, this task alone: the array's own ID, which one of its tasks has
+    # as its job ID, would requeue every task.
+    if (task := os.environ.get("SLURM_ARRAY_TASK_ID")) is not None:
+        job_id = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{task}"
     if stopped_by == signal.SIGTERM and slurm_ends(job_id) is not False:
         return  # Slurm ends it (or may: no answer)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))

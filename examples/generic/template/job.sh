@@ -81,18 +81,24 @@ if [[ -n ${SLURM_ARRAY_TASK_ID:-} ]]; then
             "SWEEP_FILE (sbatch --export=ALL,SWEEP_FILE=...)" >&2
         exit 1
     fi
-    mapfile -t lines < <(grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' "$sweep")
+    # The lines that are not blank or comments, without a Windows line end ($'\r').
+    mapfile -t lines < <(tr -d '\r' <"$sweep" | grep -v -e '^\s*#' -e '^\s*$')
     if ((SLURM_ARRAY_TASK_ID >= ${#lines[@]})); then
         echo "error: task $SLURM_ARRAY_TASK_ID has no line in $sweep, which has" \
-            "${#lines[@]}: submit with --array=0-$((${#lines[@]} - 1))" >&2
+            "${#lines[@]}: submit with --array=0-$((${#lines[@]} - 1)) (0-N: one task" \
+            "per line)" >&2
         exit 1
     fi
+    # Split at spaces; quotes are not read: a value holds no space.
     read -ra settings <<<"${lines[SLURM_ARRAY_TASK_ID]}"
     echo "Task $SLURM_ARRAY_TASK_ID of array $SLURM_ARRAY_JOB_ID: ${settings[*]}"
     # A folder of its own in the sweep's, named by the task's number: a sweep
     # resubmitted under the same name resumes each of its tasks.
     export CHECKPOINT_DIR=$CHECKPOINT_DIR/task-$SLURM_ARRAY_TASK_ID
-    mkdir -p "$CHECKPOINT_DIR"
+    if ! mkdir -p "$CHECKPOINT_DIR" || [[ ! -w $CHECKPOINT_DIR ]]; then
+        echo "error: cannot write checkpoints to $CHECKPOINT_DIR" >&2
+        exit 1
+    fi
 fi
 # The task's own arguments come last: they win over the same ones after job.sh.
 set -- "$@" "${settings[@]}"
@@ -198,6 +204,10 @@ ask_slurm() {
     done
     "$@"
 }
+# The job that a requeue below puts back in the queue: in a job array, this task alone.
+# (The array's own ID, which one of its tasks has as its job ID, names every task.)
+this_job=$SLURM_JOB_ID
+[[ -z ${SLURM_ARRAY_TASK_ID:-} ]] || this_job=${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID
 # main.py leaves these marks: when it stops on an error that a person must act on; when
 # it finds no scontrol to requeue the job with (in a container, say).
 rm -f "$CHECKPOINT_DIR/stopped-on-error" "$CHECKPOINT_DIR/requeue"
@@ -206,7 +216,7 @@ srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" python main.py 
     status=$?
 # After SIGUSR1, main.py asks for a requeue that it could not make itself.
 if [[ $status == 0 && -e $CHECKPOINT_DIR/requeue ]]; then
-    ask_slurm scontrol requeue "$SLURM_JOB_ID" && sleep 600
+    ask_slurm scontrol requeue "$this_job" && sleep 600
     echo "error: scontrol requeue failed: resubmit job.sh to resume" >&2
     exit 1
 fi
@@ -218,7 +228,7 @@ if ((status == 0)); then
     version=$(scontrol --version) || version=""  # "slurm 23.11.4", "slurm-wlm 23.11.4"
     version=${version##* } && version=${version%%.*}
     if ((${version:-99} < 24)) &&
-        [[ $(ask_slurm scontrol show job "$SLURM_JOB_ID") == *" PreemptTime="[0-9]* ]]
+        [[ $(ask_slurm scontrol show job "$this_job") == *" PreemptTime="[0-9]* ]]
     then
         sleep infinity
     fi
@@ -248,7 +258,7 @@ else
         "checkpoint (failure $crashes of the $max allowed)" >&2
     # Slurm ends this script within seconds as it requeues the job: the sleep keeps it
     # from going on meanwhile.
-    ask_slurm scontrol requeue "$SLURM_JOB_ID" && sleep 600
+    ask_slurm scontrol requeue "$this_job" && sleep 600
     why="scontrol requeue failed"
 fi
 echo "error: srun exited with status $status, $why: the job is not requeued. Fix the" \

@@ -6,6 +6,8 @@ Over step 4:
 - gradient accumulation over --accumulation-steps micro-batches, with DDP's no_sync()
   on all but the last;
 - a log line of samples/s and of the time spent waiting for data;
+- runs in steps: `--train-steps`, validation every `--eval-every` steps, a decay to
+  `--min-learning-rate`; hand_on() hands each log line and validation to your code;
 - `--benchmark N`: samples/s of the input pipeline alone and of the training step
   alone (the ceiling), instead of training.
 
@@ -40,6 +42,7 @@ from checkpoints import Checkpoint
 from devices import end_with_rank, get_device, get_num_workers
 from ranks import leave, setup
 from resumable_data import ResumableSampler, SeededSamples, start_fork_server
+from speed import TrainLog, benchmark, memory_layout, speed_settings
 from stopping import Agreement, requeue
 
 log = logging.getLogger(__name__)
@@ -178,8 +181,9 @@ def main():
         model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
     )
     loaders = make_loaders(args, train_set, valid_set, place)
-    if args.benchmark:
-        return benchmark(model, optimizer, loaders[0], args, place)
+    if args.benchmark:  # instead of training (speed.py)
+        return benchmark(model, optimizer, loaders[0], args, place, to_device,
+                         forward_loss)  # fmt: skip
     scheduler = make_scheduler(args, optimizer, steps_per_epoch(args, loaders[0]))
     batch = args.batch_size * args.accumulation_steps  # per process and step
     log.info(f"Global batch: {batch} x {place.world_size} = {batch * place.world_size}")
@@ -203,7 +207,7 @@ def main():
         "rank": place.rank,
         "world_size": place.world_size,
         "host": socket.gethostname(),
-        "finished": progress.epoch == args.epochs,  # False after --max-steps
+        "finished": finished(args, progress),  # False after --max-steps
         **asdict(progress),
         "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
     }
@@ -214,14 +218,17 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     add = parser.add_argument
     add("--epochs", type=positive, default=90)
+    add("--train-steps", type=positive, help="optimizer steps in all, not --epochs")
     add("--batch-size", type=positive, default=128, help="per process and micro-batch")
     add("--accumulation-steps", type=positive, default=1)
     add("--learning-rate", type=float, default=1e-3)
     add("--warmup-steps", type=positive, default=500, help="in optimizer steps")
+    add("--min-learning-rate", type=float, help="where the decay ends (default: 0)")
     add("--weight-decay", type=float, default=0.05)
     add("--seed", type=int, default=0)
     add("--max-steps", type=positive, help="steps in all; a later run goes on")
     add("--log-every", type=positive, default=50, help="steps between log lines")
+    add("--eval-every", type=positive, help="steps between validations (and epochs)")
     add_arguments(parser)  # the model's and the data's, from your section
     add("--num-workers", type=int, help="per process (default: its CPUs, less one)")
     add("--rendezvous-timeout", type=float, default=120, help="seconds for all to join")
@@ -262,6 +269,7 @@ class Progress:
     val_loss: float | None = None  # the last validation's results
     val_accuracy: float | None = None
     val_samples: int | None = None
+    val_step: int | None = None  # the step after which it ran
 
 
 def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
@@ -316,36 +324,44 @@ def make_loaders(args, train_set: Dataset, valid_set: Dataset, place):
 
 
 def make_scheduler(args, optimizer, steps_per_epoch: int):
-    """A learning rate that rises linearly over --warmup-steps, then decays to zero
-    along a cosine, by the end of training."""
-    total = args.epochs * steps_per_epoch
-    warmup = args.warmup_steps
+    """A learning rate that rises linearly over --warmup-steps, then decays along a
+    cosine to --min-learning-rate by the end of training (--train-steps, --epochs)."""
+    total = args.train_steps or args.epochs * steps_per_epoch
+    warmup, floor = (
+        args.warmup_steps,
+        (args.min_learning_rate or 0) / args.learning_rate,
+    )
+    if not 0 <= floor <= 1:
+        raise SystemExit("error: --min-learning-rate must be from 0 to --learning-rate")
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         done = (step - warmup) / max(total - warmup, 1)
-        return 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def train(args, model, optimizer, scheduler, loaders, progress, train_log, checkpoint,
           agreement):  # fmt: skip
-    """Trains for --epochs, or --max-steps, and validates after every epoch, with a
+    """Trains and validates (after every epoch, and every --eval-every steps), with a
     checkpoint every --checkpoint-every minutes and at each epoch's end; returns 0, or
     the signal that stopped it before, once the checkpoint is saved."""
     train_loader, valid_loader = loaders
     device = next(model.parameters()).device
-    max_steps = math.inf if args.max_steps is None else args.max_steps
+    epochs = math.inf if args.train_steps else args.epochs
+    max_steps = min(args.max_steps or math.inf, args.train_steps or math.inf)
     resumed = progress.steps > 0  # and so its DDP's buckets in their first order
-    while progress.epoch < args.epochs and (
-        progress.steps < max_steps or progress.batches
-    ):
+    while progress.epoch < epochs and (progress.steps < max_steps or progress.batches):
         # Without set_epoch, the sampler would shuffle every epoch the same way.
         train_loader.sampler.set_epoch(progress.epoch)
         train_loader.sampler.skip = progress.batches * args.batch_size
         model.train()
+        due = validation_due(args, progress) and progress.batches  # a stop cut it short
+        if due and not evaluate(model, valid_loader, args, progress, agreement):
+            checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
+            return agreement.stop
         batches = iter(train_loader)
         early = False  # whether --max-steps stopped the run part-way through the epoch
         for _ in range(steps_per_epoch(args, train_loader)):
@@ -374,19 +390,17 @@ def train(args, model, optimizer, scheduler, loaders, progress, train_log, check
                 agreement.saved()
             if stop:
                 return stop
-        if train_log.steps and not early:  # the steps since the last line
+            due, begin = validation_due(args, progress), time.perf_counter()
+            if due and not evaluate(model, valid_loader, args, progress, agreement):
+                checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
+                return agreement.stop
+            train_log.started += time.perf_counter() - begin  # training's time only
+        if train_log.steps and (not early or finished(args, progress)):
             log_line(progress, train_log, scheduler)
-        log.info(f"Epoch {progress.epoch}: validation")
-        results = validate(model.module, valid_loader, device, args, agreement)
-        if results is None:  # a stop during validation: the next run validates
+        due = progress.val_step != progress.steps  # not twice after one step
+        if due and not evaluate(model, valid_loader, args, progress, agreement):
             checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
             return agreement.stop
-        for name, value in results.items():
-            setattr(progress, name, value)
-        log.info(
-            f"Epoch {progress.epoch}: val loss {progress.val_loss:.3f}, val accuracy "
-            f"{progress.val_accuracy:.2%} on {progress.val_samples} samples"
-        )
         if early:
             # The epoch is not done: a later run with a higher --max-steps, or none,
             # goes on from this checkpoint, part-way through it, as after a signal.
@@ -397,13 +411,45 @@ def train(args, model, optimizer, scheduler, loaders, progress, train_log, check
         checkpoint.save(model.module, optimizer, scheduler, progress, train_log)
         agreement.saved()
         train_log.restart_clock()  # the next line counts training only
-    if progress.epoch < args.epochs:
+    if not finished(args, progress):
         log.warning(
             f"Stopped by --max-steps {args.max_steps} after step {progress.steps}, "
             f"with {progress.epoch} of {args.epochs} epochs done: training is not "
             "finished. To go on, run again under the same job name without --max-steps."
         )
     return 0
+
+
+def finished(args, progress: Progress) -> bool:
+    """Whether the run has trained all its --train-steps, or else all its --epochs."""
+    steps = args.train_steps
+    return progress.steps >= steps if steps else progress.epoch >= args.epochs
+
+
+def validation_due(args, progress: Progress) -> bool:
+    """Whether --eval-every asks for a validation after this step, not made yet."""
+    steps, every = progress.steps, args.eval_every or math.inf
+    return steps > 0 and steps % every == 0 and progress.val_step != steps
+
+
+def evaluate(model, loader: DataLoader, args, progress, agreement) -> bool:
+    """Validates, records the results in `progress` and hands them on; returns False
+    if a stop cut validation short."""
+    log.info(f"Epoch {progress.epoch}, step {progress.steps}: validation")
+    device = next(model.parameters()).device
+    results = validate(model.module, loader, device, args, agreement)
+    model.train()
+    if results is None:
+        return False
+    for name, value in {**results, "val_step": progress.steps}.items():
+        setattr(progress, name, value)
+    log.info(
+        f"Step {progress.steps}: val loss {progress.val_loss:.3f}, val accuracy "
+        f"{progress.val_accuracy:.2%} on {progress.val_samples} samples"
+    )
+    if dist.get_rank() == 0:
+        hand_on("val", progress.steps, results)
+    return True
 
 
 def order_buckets_as_before(model, inputs, target: Tensor, args):
@@ -415,61 +461,10 @@ def order_buckets_as_before(model, inputs, target: Tensor, args):
     buffers = [buffer.clone() for buffer in model.module.buffers()]
     device = target.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss = loss_fn(model(memory_layout(inputs, args)), target)
-        loss.backward()
+        forward_loss(model, inputs, target, args).backward()
     for buffer, saved in zip(model.module.buffers(), buffers, strict=True):
         buffer.copy_(saved)
     model.zero_grad(set_to_none=True)
-
-
-class TrainLog:
-    """The mean loss since the last log line, the samples per second, and the share of
-    the time spent waiting for data. The losses stay on the device until a line is
-    logged: a .item() at every step would make the CPU wait for the GPU."""
-
-    def __init__(self, device: torch.device, samples_per_step: int):
-        self.device, self.samples_per_step = device, samples_per_step
-        self.total = torch.zeros((), device=device)
-        self.steps = 0
-        self.restart_clock()
-
-    def restart_clock(self):
-        self.started, self.data_wait = time.perf_counter(), 0.0
-
-    def add(self, loss: Tensor):
-        self.total += loss.detach()
-        self.steps += 1
-
-    @contextlib.contextmanager
-    def waiting_for_data(self):
-        begin = time.perf_counter()
-        yield
-        self.data_wait += time.perf_counter() - begin
-
-    def report(self) -> dict:
-        """The numbers since the last report, over all processes; starts anew."""
-        # The GPU may still run steps that this process queued: time them too.
-        synchronize(self.device)
-        elapsed = time.perf_counter() - self.started
-        rate, wait = (
-            self.steps * self.samples_per_step / elapsed,
-            self.data_wait / elapsed,
-        )
-        sums = torch.stack([self.total / self.steps, self.total.new_tensor(rate)])
-        sums = torch.cat([sums, self.total.new_tensor([wait])])
-        dist.all_reduce(sums)  # one collective per line, for all three
-        loss, total_rate, wait = sums.tolist()
-        world_size = dist.get_world_size()
-        self.total.zero_()
-        self.steps = 0
-        self.restart_clock()
-        return {
-            "loss": loss / world_size,
-            "samples_per_s": total_rate / world_size,
-            "total_samples_per_s": total_rate,
-            "data_wait": wait / world_size,
-        }
 
 
 def log_line(progress: Progress, train_log: TrainLog, scheduler):
@@ -483,6 +478,15 @@ def log_line(progress: Progress, train_log: TrainLog, scheduler):
         f"samples/s per process, {report['total_samples_per_s']:.1f} in total | "
         f"waiting for data {report['data_wait']:.0%}"
     )
+    if dist.get_rank() == 0:
+        hand_on("train", progress.steps, {**report, "lr": scheduler.get_last_lr()[0]})
+
+
+def hand_on(kind: str, step: int, numbers: dict):
+    """Your code's place for the numbers of each log line ("train": loss, learning rate,
+    samples/s) and validation ("val"), after optimizer step `step`: a tracker's, say.
+    Rank 0 calls it. After a stop by a signal, a run resumes where it stopped: each step
+    comes once. After a crash, the steps since the last checkpoint come again."""
 
 
 @torch.no_grad()
@@ -517,41 +521,9 @@ def validate(
     return {"val_loss": loss / n, "val_accuracy": right / n, "val_samples": int(n)}
 
 
-def speed_settings(args, device: torch.device) -> dict:
-    """Sets each speed setting that was left to its default (None) to what pays on this
-    device: on for GPUs, off for CPUs. Returns them all, for the log."""
-    cuda = device.type == "cuda"
-    bf16_ok = cuda and torch.cuda.get_device_capability(device) >= (8, 0)
-    if args.bf16 and not bf16_ok:
-        raise SystemExit(
-            "error: --bf16 asks for bf16 autocast, which needs a GPU of compute "
-            "capability 8.0 or newer (A100, H100, RTX 30xx and later); this process "
-            f"has {torch.cuda.get_device_name(device) if cuda else 'a CPU'}. Leave it "
-            "out to train in fp32."
-        )
-    for name, default in [("bf16", bf16_ok), ("channels_last", cuda),
-                          ("cudnn_benchmark", cuda), ("pin_memory", cuda),
-                          ("compile", False)]:  # fmt: skip
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    # cuDNN times several algorithms for each new input shape, then keeps the fastest.
-    torch.backends.cudnn.benchmark = args.cudnn_benchmark
-    settings = ("bf16", "channels_last", "cudnn_benchmark", "pin_memory", "compile")
-    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    return {"device": device_name, **{name: getattr(args, name) for name in settings}}
-
-
 def steps_per_epoch(args, train_loader: DataLoader) -> int:
     """Optimizer steps in what is left of the epoch: whole steps of micro-batches."""
     return len(train_loader) // args.accumulation_steps
-
-
-def memory_layout(inputs, args):
-    """Images channels last in memory (NHWC), the layout of the GPU's convolutions, when
-    channels_last is on; inputs that are not images (not 4-D) as they are."""
-    if args.channels_last and isinstance(inputs, Tensor) and inputs.dim() == 4:
-        return inputs.contiguous(memory_format=torch.channels_last)
-    return inputs
 
 
 def accumulate_gradients(model, batches, args, train_log: TrainLog) -> Tensor:
@@ -568,66 +540,18 @@ def accumulate_gradients(model, batches, args, train_log: TrainLog) -> Tensor:
             inputs, target = to_device(next(batches), device)
         last = i == args.accumulation_steps - 1
         with contextlib.nullcontext() if last else model.no_sync():
-            # Autocast covers the forward pass; backward runs in its precisions.
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                loss = loss_fn(model(memory_layout(inputs, args)), target)
+            loss = forward_loss(model, inputs, target, args)
             # Each micro-batch weighs 1/n: the sum is the mean over the whole batch.
             (loss / args.accumulation_steps).backward()
         total += loss.detach()
     return total / args.accumulation_steps
 
 
-def benchmark(model, optimizer, loader: DataLoader, args, place):
-    """Prints the samples/s of the input pipeline alone, then of the training step
-    alone, on one batch already on the device: the ceiling, which no input pipeline can
-    beat. Training runs at about the smaller of the two."""
-    device, n = next(model.parameters()).device, args.benchmark
-    # Untimed: the workers start, and the batches they prefetch (two each) are taken,
-    # so that the timed ones are those the workers make while they are timed.
-    untimed = max(2 * loader.num_workers, 1)
-    if len(loader) < untimed + n:
-        raise SystemExit(
-            f"error: --benchmark {n} times {n} batches after {untimed} untimed ones, "
-            f"but the training set has {len(loader)} batches of {loader.batch_size}. "
-            "Ask for fewer."
-        )
-    batches = iter(loader)
-    for _ in range(untimed):
-        inputs, target = to_device(next(batches), device)
-    rates = {}
-    synchronize(device)
-    begin = time.perf_counter()
-    for _ in range(n):
-        to_device(next(batches), device)
-    synchronize(device)
-    rates["input_samples_per_s"] = n * loader.batch_size / (time.perf_counter() - begin)
-    del batches
-    model.train()
-    for timed in (False, True):  # untimed first: the autotuner and compiling
-        synchronize(device)
-        begin = time.perf_counter()
-        for _ in range(n if timed else 3):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                loss = loss_fn(model(memory_layout(inputs, args)), target)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-    rates["step_samples_per_s"] = n * loader.batch_size / (time.perf_counter() - begin)
-    record = {**speed_settings(args, device), "num_workers": loader.num_workers}
-    record.update(rates, rank=place.rank, world_size=place.world_size)
-    for name in ("model", "image_size"):  # where your section has them
-        record[name] = getattr(args, name, None)
-    record["batch_size"] = args.batch_size
-    if device.type == "cuda":
-        record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    print(f"benchmark: {json.dumps(record)}", flush=True)
-
-
-def synchronize(device: torch.device):
-    """Waits for the GPU to finish the work queued so far."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def forward_loss(model, inputs, target: Tensor, args) -> Tensor:
+    """The loss of one micro-batch. Autocast covers the forward pass; backward runs in
+    its precisions."""
+    with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        return loss_fn(model(memory_layout(inputs, args)), target)
 
 
 # The arguments that a resumed run may change: where things are, how often it logs and
@@ -636,7 +560,7 @@ def synchronize(device: torch.device):
 MAY_CHANGE_ON_RESUME = {
     "epochs", "max_steps", "log_every", "data_dir", "num_workers", "rendezvous_timeout",
     "checkpoint_dir", "checkpoint_every", "checkpoint_every_steps", "keep_checkpoints",
-    "max_failed_saves", "max_restarts",
+    "max_failed_saves", "max_restarts", "eval_every",
     # speed settings: the same training, faster
     "bf16", "channels_last", "cudnn_benchmark", "pin_memory", "compile", "benchmark",
 }  # fmt: skip

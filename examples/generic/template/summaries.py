@@ -16,14 +16,16 @@ RESULTS = ["epoch", "steps", "val_loss", "val_accuracy"]
 
 
 def newest(folder: Path) -> dict | None:
-    """The newest checkpoint's settings, arguments and progress; None if the folder has
-    none."""
-    files = sorted(folder.glob("step-*.pt"))
-    if not files:
-        return None
-    # mmap: the tensors stay on disk; only the small records are read.
-    state = torch.load(files[-1], map_location="cpu", mmap=True, weights_only=True)
-    return {key: state[key] for key in ("settings", "arguments", "progress")}
+    """The newest readable checkpoint's settings, arguments and progress; None if the
+    folder has none. A run still training may be writing or deleting one meanwhile."""
+    for path in sorted(folder.glob("step-*.pt"), reverse=True):
+        try:
+            # mmap: the tensors stay on disk; only the small records are read.
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except (OSError, RuntimeError, EOFError):
+            continue
+        return {key: state[key] for key in ("settings", "arguments", "progress")}
+    return None
 
 
 def table(folders: list[Path]) -> list[list[str]]:
@@ -41,7 +43,11 @@ def table(folders: list[Path]) -> list[list[str]]:
             rows.append([folder.name, *["-"] * (len(rows[0]) - 1)])
             continue
         arguments, progress = run["arguments"], run["progress"]
-        finished = progress["epoch"] == arguments["epochs"]
+        # As main.py's finished(): all --train-steps done, or else all --epochs.
+        if steps := arguments.get("train_steps"):
+            finished = progress["steps"] >= steps
+        else:
+            finished = progress["epoch"] >= arguments["epochs"]
         values = [run["settings"].get(name) for name in differ]
         values += [progress[name] for name in RESULTS]
         rows.append([folder.name, *map(text, values), str(finished)])
