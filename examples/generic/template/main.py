@@ -327,10 +327,8 @@ def make_scheduler(args, optimizer, steps_per_epoch: int):
     """A learning rate that rises linearly over --warmup-steps, then decays along a
     cosine to --min-learning-rate by the end of training (--train-steps, --epochs)."""
     total = args.train_steps or args.epochs * steps_per_epoch
-    warmup, floor = (
-        args.warmup_steps,
-        (args.min_learning_rate or 0) / args.learning_rate,
-    )
+    warmup = args.warmup_steps
+    floor = (args.min_learning_rate or 0) / args.learning_rate
     if not 0 <= floor <= 1:
         raise SystemExit("error: --min-learning-rate must be from 0 to --learning-rate")
 
