@@ -12,12 +12,15 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from smoke import (
     EXAMPLES,
+    EXAMPLES_DIR,
     assert_bitwise_equal,
     descendants,
     load_checkpoint,
@@ -94,6 +97,38 @@ def test_a_trial_with_max_steps_leaves_the_real_run_to_train_in_full(tmp_path):
     assert_bitwise_equal(
         load_checkpoint(tmp_path / "b"), load_checkpoint(tmp_path / "a")
     )
+
+
+def test_a_time_limit_warning_after_training_does_not_end_the_process(tmp_path):
+    # Slurm's SIGUSR1 may come as a finished run exits. Python puts back the default
+    # action of the signals it handles before it clears its modules, and SIGUSR1's
+    # ends the process (status 138: job.sh would take it for a crash). After the
+    # stop agreement, the warning is ignored. Here the exit is slowed down by one
+    # object's __del__, and the signal comes during it.
+    script = tmp_path / "finished.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "import torch.distributed as dist\n"
+        f"sys.path.insert(0, {str(EXAMPLES_DIR / 'generic' / 'checkpointing')!r})\n"
+        "from stopping import Agreement\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0,"
+        " world_size=1)\n"
+        "with Agreement(30) as agreement:\n"
+        "    agreement.poll()\n"
+        "dist.destroy_process_group()\n"
+        "class SlowExit:\n"
+        "    def __del__(self):\n"
+        "        time.sleep(1.5)\n"
+        "slow = SlowExit()\n"
+        "subprocess.Popen(['sh', '-c', f'sleep 0.5; kill -USR1 {os.getpid()}'])\n"
+        "print('trained', flush=True)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert "trained" in run.stdout, run.stderr
+    assert run.returncode == 0, (run.returncode, run.stderr)
 
 
 def test_dataloader_workers_leave_the_stop_signals_to_their_rank(tmp_path):

@@ -86,9 +86,13 @@ class Agreement:
         return self
 
     def __exit__(self, *exc):
-        """Waits for the last flags sent: no collective is left under way."""
+        """Waits for the last flags sent: no collective is left under way. A time
+        limit's warning from now on asks for nothing: it is ignored. Python puts back
+        the default action of a signal it handles as it exits, and SIGUSR1's would end
+        a run that has finished, with an error."""
         if self.sent is not None and exc[0] is None:
             self.sent.wait()
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def requeue(stopped_by: int, max_restarts: int, folder: Path):
