@@ -90,16 +90,23 @@ def test_accumulated_micro_batches_give_the_whole_batchs_gradients_with_one_all_
     assert split_reduces == whole_reduces
 
 
+def scheduled_rates(example, args, steps_per_epoch: int, steps: int) -> list[float]:
+    """The learning rate of each of the first `steps` steps under make_scheduler(), for
+    a base rate of 1."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = example.make_scheduler(args, optimizer, steps_per_epoch)
+    rates = []
+    for _ in range(steps):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
 def test_learning_rate_warms_up_linearly_then_decays_to_zero(example):
 
     args = example.parse_args(["--warmup-steps", "4", "--epochs", "3"])
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = example.make_scheduler(args, optimizer, steps_per_epoch=4)
-    factors = []
-    for _ in range(13):
-        factors.append(scheduler.get_last_lr()[0])
-        optimizer.step()
-        scheduler.step()
+    factors = scheduled_rates(example, args, steps_per_epoch=4, steps=13)
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
     decay = factors[4:]
     assert decay[0] == 1.0 and decay[-1] == pytest.approx(0.0, abs=1e-12)
@@ -114,13 +121,7 @@ def test_a_run_in_steps_decays_over_its_steps_to_the_floor(example):
         ["--train-steps", "12", "--warmup-steps", "2", "--learning-rate", "1.0",
          "--min-learning-rate", "0.1"]
     )  # fmt: skip
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = example.make_scheduler(args, optimizer, steps_per_epoch=1000)
-    rates = []
-    for _ in range(15):
-        rates.append(scheduler.get_last_lr()[0])
-        optimizer.step()
-        scheduler.step()
+    rates = scheduled_rates(example, args, steps_per_epoch=1000, steps=15)
     assert rates[:3] == [0.5, 1.0, 1.0]
     decay = rates[2:13]  # from the end of the warm-up to step 12
     assert all(a > b for a, b in zip(decay, decay[1:], strict=False)), rates
@@ -131,7 +132,7 @@ def test_a_run_in_steps_decays_over_its_steps_to_the_floor(example):
         ["--learning-rate", "1e-4", "--min-learning-rate", "1e-3"]
     )
     with pytest.raises(SystemExit, match="must be from 0 to --learning-rate"):
-        example.make_scheduler(high, optimizer, steps_per_epoch=10)
+        scheduled_rates(example, high, steps_per_epoch=10, steps=1)
 
 
 def test_bf16_is_refused_where_it_cannot_run(example):
