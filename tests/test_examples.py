@@ -25,6 +25,7 @@ from smoke import (
     descendants,
     load_main,
     numbers,
+    parse_summaries,
     run_example,
 )
 
@@ -93,6 +94,16 @@ def test_smoke_runs_inherit_no_slurm_variables(monkeypatch):
     env = base_env()
     assert "SLURM_JOB_ID" not in env and "RANK" not in env
     assert env["OMP_NUM_THREADS"] == "1"
+
+
+def test_summaries_that_share_a_line_are_each_read_whole():
+    # Under PYTHONUNBUFFERED=1 (smoke mode), print() writes its text and its newline
+    # apart: two processes on one stdout can put two summaries on a line (seen in CI).
+    line = 'summary: {"rank": 1, "x": [1]}summary: {"rank": 0, "x": [2]}\n\n'
+    assert parse_summaries("x\n" + line) == [
+        {"rank": 0, "x": [2]},
+        {"rank": 1, "x": [1]},
+    ]
 
 
 # The Mila examples share one setup() and its messages; the

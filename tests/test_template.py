@@ -4,7 +4,6 @@ its speed settings, and a model of another kind swapped in through its reader's 
 
 import argparse
 import difflib
-import json
 import os
 import pickle
 import re
@@ -31,8 +30,10 @@ from smoke import (
     assert_bitwise_equal,
     base_env,
     check_run,
+    decode_records,
     load_checkpoint,
     load_main,
+    parse_summaries,
 )
 
 NAME = "generic/template"
@@ -283,7 +284,7 @@ def test_the_adapt_pages_laptop_lines_stop_and_resume(tmp_path):
     assert again.returncode == 0, output
     assert re.search(r"Resumed from \S+ at step \d+", output), output
     # The 4 processes print at once: a line may hold more than one summary.
-    summaries = [json.loads(s) for s in re.findall(r"summary: (\{[^{}]*\})", output)]
+    summaries = parse_summaries(output)
     assert sorted(s["rank"] for s in summaries) == [0, 1, 2, 3], output
     # 320 images, 4 processes of 8: 10 steps an epoch, 2 epochs.
     assert all(s["finished"] and s["steps"] == 20 for s in summaries), summaries
@@ -293,7 +294,7 @@ def handed_records(output: str) -> list[tuple]:
     """What hand_on() got, as the copy below prints it: kind, step and the numbers
     that do not depend on time."""
     timed = {"samples_per_s", "total_samples_per_s", "data_wait"}
-    records = [json.loads(r) for r in re.findall(r"^handed: (\{.*\})$", output, re.M)]
+    records = decode_records(output, "handed: ")
     return [
         (r.pop("kind"), r.pop("step"), {k: v for k, v in r.items() if k not in timed})
         for r in records
@@ -365,7 +366,8 @@ def test_a_run_in_steps_stopped_in_a_mid_epoch_validation_resumes_exactly(tmp_pa
         ("val", 12),
     ]  # fmt: skip
     assert handed_records(stopped) + handed_records(resumed) == whole
-    summaries = [json.loads(s) for s in re.findall(r"summary: (\{.*\})", resumed)]
+    # The 2 processes share a stdout: a line may hold both summaries.
+    summaries = parse_summaries(resumed)
     assert [s["finished"] and s["steps"] == 12 for s in summaries] == [True, True]
     assert_bitwise_equal(
         load_checkpoint(tmp_path / "stopped"), load_checkpoint(tmp_path / "plain")
