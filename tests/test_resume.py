@@ -8,7 +8,6 @@ tests (test_failures.py) do the same through real requeues.
 
 import contextlib
 import dataclasses
-import json
 import os
 import re
 import signal
@@ -22,6 +21,7 @@ from smoke import (
     EXAMPLES,
     EXAMPLES_DIR,
     assert_bitwise_equal,
+    decode_records,
     descendants,
     load_checkpoint,
     newest_checkpoint,
@@ -261,8 +261,8 @@ COUNTING = {"PYTHONPATH": str(Path(__file__).parent / "helpers" / "collectives")
 
 
 def collectives(output: str) -> list[dict]:
-    found = re.findall(r"^collectives: (\{.*\})$", unwrapped(output), re.M)
-    return [json.loads(line) for line in found]
+    # Processes that share a stdout may print on one line.
+    return decode_records(unwrapped(output), "collectives: ")
 
 
 # Step 4 and FSDP2; the Mila step and the template agree the same way, byte for byte
