@@ -24,6 +24,7 @@ from smoke import (
     decode_records,
     descendants,
     load_checkpoint,
+    load_main,
     newest_checkpoint,
     numbers,
     run_example,
@@ -129,6 +130,62 @@ def test_a_time_limit_warning_after_training_does_not_end_the_process(tmp_path):
     )  # fmt: skip
     assert "trained" in run.stdout, run.stderr
     assert run.returncode == 0, (run.returncode, run.stderr)
+
+
+# What a stand-in scontrol does at each call, in turn (a line of shell each).
+LOST_ANSWER = (
+    "echo 'slurm_requeue error: Unexpected message received for job 96' >&2; exit 1"
+)
+ENDED_BY_THE_REQUEUE = "kill -TERM $$"
+ALREADY_ENDING = (
+    "echo 'slurm_requeue error: Job/step already completing or completed' >&2; exit 1"
+)
+REFUSED = "echo 'Requested operation is presently disabled for job 96' >&2; exit 1"
+RUNNING = "echo 'JobId=96 JobState=RUNNING Restarts=0 PreemptTime=None'"
+
+
+@pytest.mark.parametrize(
+    "answers, stops_for_good",
+    [
+        # Seen in CI (24.11), the controller stopped for 30 s: the requeue's answer is
+        # lost after 10 s; the controller then requeues the job, and its SIGTERM ends
+        # the next scontrol call too. The job starts again: no error, no mark.
+        ([LOST_ANSWER, ENDED_BY_THE_REQUEUE], False),
+        ([LOST_ANSWER, LOST_ANSWER, "exit 0"], False),
+        # A preemption ends the job as it is requeued: ended, not refused.
+        ([ALREADY_ENDING, ENDED_BY_THE_REQUEUE], False),
+        # A refusal of a job still running is for a person: the mark, the message.
+        ([REFUSED, RUNNING], True),
+    ],
+)
+def test_a_requeue_whose_answer_is_lost_or_late_is_not_taken_for_a_refusal(
+    tmp_path, monkeypatch, answers, stops_for_good
+):
+    stopping = load_main("generic/checkpointing", "stopping.py")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "answers").write_text("\n".join(answers) + "\n")
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {tmp_path}/calls\n'
+        f'eval "$(sed -n "$(wc -l < {tmp_path}/calls)p" {tmp_path}/answers)"\n'
+    )
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "96")
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(stopping.time, "sleep", lambda seconds: None)
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    with contextlib.ExitStack() as stack:
+        if stops_for_good:
+            stack.enter_context(pytest.raises(SystemExit, match="failed, so the job"))
+        stopping.requeue(signal.SIGUSR1, max_restarts=3, folder=folder)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == len(answers), calls
+    assert (folder / stopping.STOPPED_MARK).exists() == stops_for_good
 
 
 def test_dataloader_workers_leave_the_stop_signals_to_their_rank(tmp_path):
