@@ -261,6 +261,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     terminalreporter.write_line(
         f"untested claims on the pages: {sum(counts.values())} ({listed})"
     )
+    # Under two workers, the time each group took: the longer one is the run's length,
+    # the place to look when CI grows.
+    groups: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport) and "@" in report.nodeid:
+                group = report.nodeid.rsplit("@", 1)[1]
+                groups[group] = groups.get(group, 0.0) + report.duration
+    if groups:
+        terminalreporter.write_line(
+            "time of each worker group: "
+            + ", ".join(f"{g} {t / 60:.1f} min" for g, t in sorted(groups.items()))
+        )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
