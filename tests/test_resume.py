@@ -10,10 +10,12 @@ import contextlib
 import dataclasses
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -132,11 +134,13 @@ def test_a_time_limit_warning_after_training_does_not_end_the_process(tmp_path):
     assert run.returncode == 0, (run.returncode, run.stderr)
 
 
-# What a stand-in scontrol does at each call, in turn (a line of shell each).
+# What a stand-in scontrol is asked at each call, in turn, and what it does (a line of
+# shell each).
+REQUEUE, SHOW = "requeue 96", "show job --oneliner 96"
 LOST_ANSWER = (
     "echo 'slurm_requeue error: Unexpected message received for job 96' >&2; exit 1"
 )
-ENDED_BY_THE_REQUEUE = "kill -TERM $$"
+ENDED_BY_THE_REQUEUE = "kill -TERM $$; exit 1"
 ALREADY_ENDING = (
     "echo 'slurm_requeue error: Job/step already completing or completed' >&2; exit 1"
 )
@@ -145,46 +149,56 @@ RUNNING = "echo 'JobId=96 JobState=RUNNING Restarts=0 PreemptTime=None'"
 
 
 @pytest.mark.parametrize(
-    "answers, stops_for_good",
+    "calls, seconds_left, stops_for_good",
     [
-        # Seen in CI (24.11), the controller stopped for 30 s: the requeue's answer is
-        # lost after 10 s; the controller then requeues the job, and its SIGTERM ends
-        # the next scontrol call too. The job starts again: no error, no mark.
-        ([LOST_ANSWER, ENDED_BY_THE_REQUEUE], False),
-        ([LOST_ANSWER, LOST_ANSWER, "exit 0"], False),
+        # Seen in CI (24.11, the controller stopped for 30 s): the requeue's answer is
+        # lost after 10 s; once back, the controller requeues the job, and its SIGTERM
+        # ends the call that asks again. The job starts again: no error, no mark.
+        ([(REQUEUE, LOST_ANSWER), (REQUEUE, ENDED_BY_THE_REQUEUE)], 3600, False),
+        ([(REQUEUE, LOST_ANSWER), (REQUEUE, LOST_ANSWER), (REQUEUE, "exit 0")], 3600,
+         False),
+        # Too close to the time limit to ask again: the job's state is asked instead,
+        # and the requeue's SIGTERM ends that call.
+        ([(REQUEUE, LOST_ANSWER), (SHOW, ENDED_BY_THE_REQUEUE)], 19, False),
         # A preemption ends the job as it is requeued: ended, not refused.
-        ([ALREADY_ENDING, ENDED_BY_THE_REQUEUE], False),
+        ([(REQUEUE, ALREADY_ENDING), (SHOW, ENDED_BY_THE_REQUEUE)], 3600, False),
         # A refusal of a job still running is for a person: the mark, the message.
-        ([REFUSED, RUNNING], True),
+        ([(REQUEUE, REFUSED), (SHOW, RUNNING)], 3600, True),
     ],
-)
+)  # fmt: skip
 def test_a_requeue_whose_answer_is_lost_or_late_is_not_taken_for_a_refusal(
-    tmp_path, monkeypatch, answers, stops_for_good
+    tmp_path, monkeypatch, calls, seconds_left, stops_for_good
 ):
     stopping = load_main("generic/checkpointing", "stopping.py")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (tmp_path / "answers").write_text("\n".join(answers) + "\n")
+    answers, asked = tmp_path / "answers", tmp_path / "asked"
+    answers.write_text("".join(answer + "\n" for _, answer in calls))
     scontrol = bin_dir / "scontrol"
+    # Call N takes line N of the answers; a call beyond them fails plainly.
     scontrol.write_text(
         "#!/bin/sh\n"
-        f'echo "$*" >> {tmp_path}/calls\n'
-        f'eval "$(sed -n "$(wc -l < {tmp_path}/calls)p" {tmp_path}/answers)"\n'
+        f'echo "$*" >> {shlex.quote(str(asked))}\n'
+        f"n=$(wc -l < {shlex.quote(str(asked))})\n"
+        f'eval "$(sed -n "${{n}}p" {shlex.quote(str(answers))})"\n'
+        "exit 99\n"
     )
     scontrol.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "96")
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + seconds_left))
     monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    monkeypatch.setattr(stopping.time, "sleep", lambda seconds: None)
+    # No waiting between tries.
+    clock = types.SimpleNamespace(time=time.time, sleep=lambda seconds: None)
+    monkeypatch.setattr(stopping, "time", clock)
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     with contextlib.ExitStack() as stack:
         if stops_for_good:
             stack.enter_context(pytest.raises(SystemExit, match="failed, so the job"))
         stopping.requeue(signal.SIGUSR1, max_restarts=3, folder=folder)
-    calls = (tmp_path / "calls").read_text().splitlines()
-    assert len(calls) == len(answers), calls
+    assert asked.read_text().splitlines() == [call for call, _ in calls]
     assert (folder / stopping.STOPPED_MARK).exists() == stops_for_good
 
 

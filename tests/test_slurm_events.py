@@ -297,8 +297,9 @@ def test_a_sigterm_to_the_tasks_alone_requeues_the_job(lab, tmp_path):
 
 def test_a_requeue_waits_for_a_controller_that_does_not_answer(lab, tmp_path):
     # Slurm's controller may not answer for a while (a restart, a failover). Rank 0's
-    # `scontrol requeue` after the warning gives up after about 20 s; one failure must
-    # not stop the job for good: main.py tries again until the controller answers.
+    # `scontrol requeue` after the warning gives up after a MessageTimeout or two (10 s
+    # in CI); one failure must not stop the job for good: main.py tries again until the
+    # controller answers.
     job = submit(lab, NAME, *EXACT_RUN, workdir=tmp_path, options=ONE_TASK_PER_NODE)
     output = tmp_path / f"slurm-{job}.out"
     wait_until(lambda: "epoch 0 step 4 |" in read(output), 180, "training")

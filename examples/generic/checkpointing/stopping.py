@@ -138,10 +138,11 @@ def requeue(stopped_by: int, max_restarts: int, folder: Path):
 
 def slurm_ends(job_id: str) -> bool | None:
     """Whether Slurm is ending the job: no longer running (cancelled, timed out,
-    requeued), or preempted, in its grace time; None where no scontrol answers."""
+    requeued), or preempted, in its grace time, or its SIGTERM ended scontrol; None
+    where no scontrol answers."""
     show = scontrol("show", "job", "--oneliner", job_id)
     if show is not None and show.returncode == -signal.SIGTERM:
-        return True  # a requeue, answered late, ended the job and scontrol with it
+        return True  # Slurm ends the job's processes, scontrol among them
     if show is None or show.returncode != 0:
         return None
     job = dict(item.split("=", 1) for item in show.stdout.split() if "=" in item)
@@ -164,9 +165,10 @@ def scontrol(*args: str) -> subprocess.CompletedProcess | None:
             result = subprocess.CompletedProcess(error.cmd, 1, "", "no answer in time")
         if result.stderr.strip():
             log.warning(f"scontrol {' '.join(args)}: {result.stderr.strip()}")
-        # A stalled controller may also leave "Unexpected message received" (24.11).
+        # Slurm 24.11 may say "Unexpected message received" when no answer came in time.
         away = re.search(
-            "contact slurm|timed out|in time|Unexpected message", result.stderr
+            "contact slurm controller|timed out|in time|Unexpected message",
+            result.stderr,
         )
         if result.returncode <= 0 or not away or time.time() + 5 > end:
             return result
