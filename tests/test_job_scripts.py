@@ -108,6 +108,9 @@ def test_every_resuming_script_asks_slurm_again_and_waits_out_a_grace_time():
         # But the record at the top, which may fail: the job goes on.
         record = 'scontrol show job "$SLURM_JOB_ID" || true'
         assert all("ask_slurm scontrol" in c or c == record for c in calls), calls
+        # In a job array, this task alone: the array's own ID requeues every task.
+        alone = [c for c in calls if c != record]
+        assert alone and all('"$this_job"' in c for c in alone), (name, alone)
         assert OLD_SLURM in text and "sleep infinity" in text, name
     assert len(functions) == 1, "the job.sh files ask Slurm again in different ways"
 

@@ -134,6 +134,10 @@ ask_slurm() {
     done
     "$@"
 }
+# The job that a requeue below puts back in the queue: in a job array, this task alone.
+# (The array's own ID, which one of its tasks has as its job ID, names every task.)
+this_job=$SLURM_JOB_ID
+[[ -z ${SLURM_ARRAY_TASK_ID:-} ]] || this_job=${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID
 # main.py leaves these marks: when it stops on an error that a person must act on; when
 # it finds no scontrol to requeue the job with (in a container, say).
 rm -f "$CHECKPOINT_DIR/stopped-on-error" "$CHECKPOINT_DIR/requeue"
@@ -144,7 +148,7 @@ srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" \
     apptainer exec --nv "$image" python main.py "$@" || status=$?
 # After SIGUSR1, main.py asks for a requeue that it could not make itself.
 if [[ $status == 0 && -e $CHECKPOINT_DIR/requeue ]]; then
-    ask_slurm scontrol requeue "$SLURM_JOB_ID" && sleep 600
+    ask_slurm scontrol requeue "$this_job" && sleep 600
     echo "error: scontrol requeue failed: resubmit job.sh to resume" >&2
     exit 1
 fi
@@ -156,7 +160,7 @@ if ((status == 0)); then
     version=$(scontrol --version) || version=""  # "slurm 23.11.4", "slurm-wlm 23.11.4"
     version=${version##* } && version=${version%%.*}
     if ((${version:-99} < 24)) &&
-        [[ $(ask_slurm scontrol show job "$SLURM_JOB_ID") == *" PreemptTime="[0-9]* ]]
+        [[ $(ask_slurm scontrol show job "$this_job") == *" PreemptTime="[0-9]* ]]
     then
         sleep infinity
     fi
@@ -186,7 +190,7 @@ else
         "checkpoint (failure $crashes of the $max allowed)" >&2
     # Slurm ends this script within seconds as it requeues the job: the sleep keeps it
     # from going on meanwhile.
-    ask_slurm scontrol requeue "$SLURM_JOB_ID" && sleep 600
+    ask_slurm scontrol requeue "$this_job" && sleep 600
     why="scontrol requeue failed"
 fi
 echo "error: srun exited with status $status, $why: the job is not requeued. Fix the" \

@@ -96,12 +96,16 @@ ask_slurm() {
 status=0
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --gpu-bind=none \
     python main.py "$@" || status=$?
+# The job that a requeue below puts back in the queue: in a job array, this task alone.
+# (The array's own ID, which one of its tasks has as its job ID, names every task.)
+this_job=$SLURM_JOB_ID
+[[ -z ${SLURM_ARRAY_TASK_ID:-} ]] || this_job=${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID
 # From here, not from main.py: NGC's and most other images have no scontrol. Even
 # after a failure: the mark comes after a checkpoint saved whole.
 if [[ -e $CHECKPOINT_DIR/requeue ]]; then
     # Slurm ends this script within seconds as it requeues the job: the sleep keeps it
     # from going on meanwhile.
-    ask_slurm scontrol requeue "$SLURM_JOB_ID" && sleep 600
+    ask_slurm scontrol requeue "$this_job" && sleep 600
     echo "error: scontrol requeue failed: resubmit job.sh to resume" >&2
     exit 1
 fi
@@ -112,7 +116,7 @@ fi
 version=$(scontrol --version) || version=""  # "slurm 23.11.4", "slurm-wlm 23.11.4"
 version=${version##* } && version=${version%%.*}
 if ((status == 0 && ${version:-99} < 24)) &&
-    [[ $(ask_slurm scontrol show job "$SLURM_JOB_ID") == *" PreemptTime="[0-9]* ]]
+    [[ $(ask_slurm scontrol show job "$this_job") == *" PreemptTime="[0-9]* ]]
 then
     sleep infinity
 fi
