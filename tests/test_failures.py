@@ -165,15 +165,9 @@ def restart_when_requeued(lab: Lab, job: str, restarts: int):
 
 
 def wait_for_requeue(lab: Lab, job: str, restarts: int, timeout: float = FAIL_FAST):
-    """Waits until the job is back in the queue, for the `restarts`-th time."""
-    wait_until(
-        lambda: (
-            lab.job_info(job).get("JobState") == "PENDING"
-            and lab.job_info(job).get("Restarts") == str(restarts)
-        ),
-        timeout,
-        f"requeue number {restarts}",
-    )
+    """Waits until the job is back in the queue, for the `restarts`-th time; fails at
+    once if it ends instead."""
+    lab.wait_for_state(job, "PENDING", restarts=restarts, timeout=timeout)
 
 
 def start_now(lab: Lab, job: str):

@@ -293,14 +293,7 @@ def test_output_file_names_the_start_with_r_from_25_11(lab, tmp_path):
     job_id = lab.sbatch(script, site=None, workdir=tmp_path, options=options)
 
     # Slurm holds a requeued job for about two minutes: let it start again at once.
-    def requeued() -> bool:
-        info = lab.job_info(job_id)
-        return info.get("JobState") == "PENDING" and info.get("Restarts") == "1"
-
-    deadline = time.monotonic() + 60
-    while not requeued():
-        assert time.monotonic() < deadline, f"job {job_id} was not requeued"
-        time.sleep(0.2)
+    lab.wait_for_state(job_id, "PENDING", restarts=1, timeout=60)
     # slurmd refuses to start a job again with a credential made in the second in
     # which it killed the job, or the next ("already killed, do not launch batch job"):
     # seen under 24.11, where the first start ends within milliseconds of its requeue.

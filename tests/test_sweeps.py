@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from slurm_lab import ENDED
 from smoke import EXAMPLES_DIR, assert_bitwise_equal, load_checkpoint
 from test_failures import (
     checkpoint_dir,
@@ -90,8 +91,7 @@ def test_a_sweep_runs_its_tasks_together_each_exactly_as_alone(lab, tmp_path):
     refs = {task: f"{array}_{task}" for task in jobs}
     restarts = {}
     deadline = time.monotonic() + 600
-    ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
-    while any(lab.job_info(r).get("JobState") not in ended for r in refs.values()):
+    while any(lab.job_info(r).get("JobState") not in ENDED for r in refs.values()):
         assert time.monotonic() < deadline, {r: lab.job_info(r) for r in refs.values()}
         for task, ref in refs.items():
             info = lab.job_info(ref)

@@ -142,6 +142,27 @@ class LabUnavailable(RuntimeError):
     """The cluster cannot start here; the message says why."""
 
 
+# A job's state as `scontrol show job` prints it. While one of Slurm's flags is set, it
+# prints the flag in place of the job's own state: COMPLETING while the job's processes
+# and epilog end (seen under 22.05 with a requeued job's Restarts already counted),
+# REQUEUED, CONFIGURING, SIGNALING, STAGE_OUT, and so on. A state read once, right after
+# another field changed, can be one of these: Lab.wait_for_state() waits them out.
+ENDED = frozenset({
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+    "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+})  # fmt: skip
+# Where a job stays until a person acts: held after a requeue.
+HELD = frozenset({"REQUEUE_HOLD", "SPECIAL_EXIT"})
+
+
+class StillWaiting(AssertionError):
+    """A job did not reach the state waited for in time; `info` is its last record."""
+
+    def __init__(self, message: str, info: dict[str, str]):
+        super().__init__(message)
+        self.info = info
+
+
 @dataclass
 class Job:
     job_id: str
@@ -719,38 +740,21 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
         """Polls the job every 0.2 s (sbatch --wait polls
         far less often) until it ends."""
         start = time.monotonic()
-        info: dict[str, str] = {}
         stacks = None
-        while time.monotonic() - start < timeout:
-            info = self.job_info(job_id)
-            # A job that has left slurmctld's memory cannot
-            # be waited for: say so at once.
-            assert info, (
-                f"job {job_id} is unknown to slurmctld (over MinJobAge, or never "
-                "existed)"
-            )
-            if info.get("JobState") in {
-                "COMPLETED",
-                "FAILED",
-                "CANCELLED",
-                "TIMEOUT",
-                "NODE_FAIL",
-                "OUT_OF_MEMORY",
-                "PREEMPTED",
-            }:
-                break
-            time.sleep(0.2)
-        else:
+        out = workdir / f"slurm-{job_id}.out"
+        try:
+            info = self.wait_for_state(job_id, *ENDED, timeout=timeout, log=out)
+        except StillWaiting as waiting:
+            info = waiting.info
             # Where each process is stuck, for the report, before the job is cancelled.
             stacks = job_stacks(job_id)
             subprocess.run(["scancel", job_id], env=self.env(), capture_output=True)
-        out = workdir / f"slurm-{job_id}.out"
         output = out.read_text(errors="replace") if out.exists() else ""
         if stacks is not None:
             output += f"\n--- still running after {timeout:.0f} s; stacks:\n{stacks}"
         return Job(
             job_id=job_id,
-            state=info.get("JobState", "UNKNOWN") if info else "UNKNOWN",
+            state=info.get("JobState", "UNKNOWN"),
             exit_code=info.get("ExitCode", "?"),
             node_list=info.get("NodeList", ""),
             output=output,
@@ -806,6 +810,45 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
         missing = set(names) - found.keys()
         assert not missing, f"no check ran for {missing}:\n{result.stdout}"
         return found
+
+    def wait_for_state(
+        self, job_id: str, *states: str, timeout: float, restarts: int | None = None,
+        log: Path | None = None,
+    ) -> dict[str, str]:  # fmt: skip
+        """Polls the job every 0.2 s until one read of it shows one of `states` (and
+        `restarts` restarts, if given), and returns that read.
+
+        A job on its way somewhere (COMPLETING, REQUEUED, ...) is waited for, never
+        taken for where it goes. One that ends or is held otherwise fails at once, as
+        does one that slurmctld no longer knows: its record, and `log`'s text, say how.
+        """
+        wanted = " or ".join(states) + (
+            "" if restarts is None else f" with Restarts={restarts}"
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job_info(job_id)
+            # A job that has left slurmctld's memory cannot be waited for: say so.
+            assert info, (
+                f"job {job_id} is unknown to slurmctld (over MinJobAge, or never "
+                "existed)"
+            )
+            state = info.get("JobState")
+            if state in states and restarts in (None, int(info.get("Restarts", -1))):
+                return info
+            if state in ENDED | HELD:
+                told = f"{state}, not {wanted}"
+            elif time.monotonic() > deadline:
+                told = f"still {state} after {timeout:.0f} s, not {wanted}"
+            else:
+                time.sleep(0.2)
+                continue
+            record = " ".join(f"{key}={value}" for key, value in info.items())
+            if log is not None and log.exists():
+                record += f"\n--- {log}\n{log.read_text(errors='replace')}"
+            if state in ENDED | HELD:
+                raise AssertionError(f"job {job_id} is {told}: {record}")
+            raise StillWaiting(f"job {job_id} is {told}: {record}", info)
 
     def job_info(self, job_id: str) -> dict[str, str]:
         result = subprocess.run(
