@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_lab import ENDED
+from slurm_lab import ENDED, HELD
 from smoke import assert_bitwise_equal, newest_checkpoint, unwrapped
 from test_failures import (
     EPOCH_END,
@@ -52,7 +52,7 @@ def run_to_the_end(lab, job: str, workdir: Path, timeout: float = 600):
     """Lets the job start at once each time it is requeued, until it ends; returns
     it, and the number of times it was requeued."""
     deadline, restarts = time.monotonic() + timeout, 0
-    while (info := lab.job_info(job)).get("JobState") not in ENDED:
+    while (info := lab.job_info(job)).get("JobState") not in ENDED | HELD:
         assert time.monotonic() < deadline, f"job {job} still {info.get('JobState')}"
         if info.get("JobState") == "PENDING" and int(info["Restarts"]) > restarts:
             restarts = int(info["Restarts"])
@@ -98,8 +98,8 @@ def test_a_job_preempted_with_a_grace_time_is_requeued_and_resumes_exactly(
     preempted = time.monotonic()
     preempt(lab, job)
     wait_until(lambda: len(stops(read(output))) == EXACT_RANKS, 60, "every rank's stop")
-    # PENDING once the job's processes and epilog have ended: on 22.05 its Restarts
-    # count rises while it is still COMPLETING. Ended COMPLETED, unfinished, it fails.
+    # PENDING once the job's processes and epilog have ended: its Restarts count rises
+    # while it is still COMPLETING. Ended COMPLETED, unfinished, it fails.
     lab.wait_for_state(job, "PENDING", restarts=1, timeout=120, log=output)
     requeued = time.monotonic() - preempted
     start_now(lab, job)

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from slurm_lab import ENDED
+from slurm_lab import ENDED, HELD
 from smoke import EXAMPLES_DIR, assert_bitwise_equal, load_checkpoint
 from test_failures import (
     checkpoint_dir,
@@ -43,17 +43,13 @@ def sweep_lines() -> list[list[str]]:
 
 def task_ids(lab, array: str, tasks: int) -> dict[int, str]:
     """Each task's own job ID, once Slurm has started them all."""
-
-    def started():
-        ids = {}
-        for task in range(tasks):
-            info = lab.job_info(f"{array}_{task}")
-            if info.get("JobState") != "RUNNING":
-                return None
-            ids[task] = info["JobId"]
-        return ids
-
-    return wait_until(started, 120, f"every task of array {array} to run")
+    deadline = time.monotonic() + 120
+    return {
+        task: lab.wait_for_state(
+            f"{array}_{task}", "RUNNING", timeout=deadline - time.monotonic()
+        )["JobId"]
+        for task in range(tasks)
+    }
 
 
 def test_a_sweep_runs_its_tasks_together_each_exactly_as_alone(lab, tmp_path):
@@ -91,7 +87,9 @@ def test_a_sweep_runs_its_tasks_together_each_exactly_as_alone(lab, tmp_path):
     refs = {task: f"{array}_{task}" for task in jobs}
     restarts = {}
     deadline = time.monotonic() + 600
-    while any(lab.job_info(r).get("JobState") not in ENDED for r in refs.values()):
+    while any(
+        lab.job_info(r).get("JobState") not in ENDED | HELD for r in refs.values()
+    ):
         assert time.monotonic() < deadline, {r: lab.job_info(r) for r in refs.values()}
         for task, ref in refs.items():
             info = lab.job_info(ref)

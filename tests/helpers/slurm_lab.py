@@ -144,8 +144,10 @@ class LabUnavailable(RuntimeError):
 
 # A job's state as `scontrol show job` prints it. While one of Slurm's flags is set, it
 # prints the flag in place of the job's own state: COMPLETING while the job's processes
-# and epilog end (seen under 22.05 with a requeued job's Restarts already counted),
-# REQUEUED, CONFIGURING, SIGNALING, STAGE_OUT, and so on. A state read once, right after
+# and epilog end, REQUEUED, CONFIGURING, SIGNALING, STAGE_OUT, and so on. A requeue
+# counts the restart as it sets PENDING and COMPLETING together (_job_requeue_op in
+# Slurm's source, 22.05 to 26.05): a requeued job is COMPLETING with its Restarts
+# counted until its processes end, as CI saw on 22.05. A state read once, right after
 # another field changed, can be one of these: Lab.wait_for_state() waits them out.
 ENDED = frozenset({
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -749,6 +751,10 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
             # Where each process is stuck, for the report, before the job is cancelled.
             stacks = job_stacks(job_id)
             subprocess.run(["scancel", job_id], env=self.env(), capture_output=True)
+        except AssertionError:
+            # Held: out of the queue, so that it takes nothing from the next test.
+            subprocess.run(["scancel", job_id], env=self.env(), capture_output=True)
+            raise
         output = out.read_text(errors="replace") if out.exists() else ""
         if stacks is not None:
             output += f"\n--- still running after {timeout:.0f} s; stacks:\n{stacks}"
@@ -827,37 +833,44 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
         )
         deadline = time.monotonic() + timeout
         while True:
-            info = self.job_info(job_id)
-            # A job that has left slurmctld's memory cannot be waited for: say so.
-            assert info, (
+            info, error = self._read_job(job_id)
+            # A job that has left slurmctld's memory cannot be waited for: say so. A
+            # controller too busy to answer in time is asked again.
+            assert "Invalid job id" not in error, (
                 f"job {job_id} is unknown to slurmctld (over MinJobAge, or never "
-                "existed)"
+                f"existed): {error}"
             )
-            state = info.get("JobState")
+            state = info.get("JobState", f"unread ({error.strip()})")
             if state in states and restarts in (None, int(info.get("Restarts", -1))):
                 return info
-            if state in ENDED | HELD:
-                told = f"{state}, not {wanted}"
-            elif time.monotonic() > deadline:
-                told = f"still {state} after {timeout:.0f} s, not {wanted}"
-            else:
+            ended = state in ENDED | HELD
+            if not ended and time.monotonic() < deadline:
                 time.sleep(0.2)
                 continue
+            told = f"{state}, not {wanted}"
             record = " ".join(f"{key}={value}" for key, value in info.items())
             if log is not None and log.exists():
                 record += f"\n--- {log}\n{log.read_text(errors='replace')}"
-            if state in ENDED | HELD:
+            if ended:
                 raise AssertionError(f"job {job_id} is {told}: {record}")
-            raise StillWaiting(f"job {job_id} is {told}: {record}", info)
+            raise StillWaiting(
+                f"job {job_id} is still {told} after {timeout:.0f} s: {record}", info
+            )
 
     def job_info(self, job_id: str) -> dict[str, str]:
+        """The job's record, as `scontrol show job` prints it; empty if it failed."""
+        return self._read_job(job_id)[0]
+
+    def _read_job(self, job_id: str) -> tuple[dict[str, str], str]:
+        """The job's record, and what scontrol said on stderr."""
         result = subprocess.run(
             ["scontrol", "show", "job", "-o", job_id],
             env=self.env(),
             capture_output=True,
             text=True,
         )
-        return dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+        info = dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+        return info, result.stderr
 
 
 def job_processes(job_id: str) -> list[tuple[int, str, set[str]]]:
