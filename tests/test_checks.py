@@ -287,7 +287,7 @@ def test_of_two_sbatch_lines_for_one_option_the_later_wins(lab, tmp_path):
     try:
         assert lab.job_info(job_id)["TimeLimit"] == "00:20:00"
     finally:
-        subprocess.run(["scancel", job_id], env=lab.env(), capture_output=True)
+        lab.cancel(job_id)
 
 
 @pytest.mark.slurm

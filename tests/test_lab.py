@@ -13,6 +13,7 @@ import ast
 from pathlib import Path
 
 import pytest
+import slurm_lab
 from slurm_lab import Lab, StillWaiting
 
 
@@ -124,3 +125,27 @@ def test_no_test_waits_on_a_job_record_but_through_the_helper():
             if "job_info" in functions.get(condition, condition):
                 found.append(f"{path.name}:{node.lineno}")
     assert found == [], found
+
+
+def test_a_cancelled_job_is_waited_for_until_its_cpus_are_free(monkeypatch):
+    # scancel returns at once; the job stays COMPLETING, its CPUs taken, until its
+    # processes end. A test that cancels a job holding every CPU, and the next test's
+    # job then waits for them (CI: "did not start its step", Reason=Resources).
+    lab = Lab()
+    told = []
+    monkeypatch.setattr(
+        slurm_lab.subprocess, "run", lambda command, **_: told.append(command)
+    )
+    made = reading(
+        lab, monkeypatch, record("RUNNING"), *[record("COMPLETING")] * 3,
+        record("CANCELLED"),
+    )  # fmt: skip
+    lab.cancel("96")
+    assert told == [["scancel", "96"]]
+    assert [r["JobState"] for r in made] == [
+        "RUNNING", "COMPLETING", "COMPLETING", "COMPLETING", "CANCELLED",
+    ]  # fmt: skip
+    # A job that slurmctld has forgotten is over: nothing to wait for.
+    made = reading(lab, monkeypatch, "slurm_load_jobs error: Invalid job id specified")
+    lab.cancel("97")
+    assert len(made) == 1

@@ -280,7 +280,7 @@ def test_a_sigterm_to_the_tasks_alone_requeues_the_job(lab, tmp_path):
     wait_until(lambda: "epoch 0 step 4 |" in read(output), 180, "training")
     subprocess.run(["scancel", "--signal=TERM", job], env=lab.env(), check=True)
     wait_for_requeue(lab, job, restarts=1)  # resuming is shown above
-    subprocess.run(["scancel", job], env=lab.env(), check=True)
+    lab.cancel(job)
     text = unwrapped(read(output))
     assert len(re.findall(r"\[0/2\] Stopped at step \d+, checkpoint saved", text)) == 1
     assert "Requeueing job" in text, text
@@ -304,7 +304,7 @@ def test_a_requeue_waits_for_a_controller_that_does_not_answer(lab, tmp_path):
         wait_until(lambda: "Requeueing job" in read(output), 60, "the requeue")
         time.sleep(30)  # longer than one try of scontrol
     wait_for_requeue(lab, job, restarts=1)  # resuming is shown above
-    subprocess.run(["scancel", job], env=lab.env(), check=True)
+    lab.cancel(job)
     text = unwrapped(read(output))
     assert "failed, so the job will not start again by itself" not in text, text
     assert "stopped on an error of its own" not in text, text

@@ -39,6 +39,15 @@ def wait_for(lab: Lab, job_id: str, out: Path, text: str, count: int) -> str:
     raise AssertionError(f"{count} x {text!r} not seen in 90 s:\n{output}")
 
 
+def beat(heartbeat: Path) -> int:
+    """The stuck rank's count. write_text() empties the file before it writes: a read
+    in between finds it empty (seen once), and reads again."""
+    deadline = time.monotonic() + 5
+    while not (text := heartbeat.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return int(text)
+
+
 def test_stacks_of_every_rank_show_which_one_is_stuck(lab, tmp_path):
     heartbeat = tmp_path / "heartbeat"
     job_id = lab.sbatch(
@@ -77,15 +86,15 @@ def test_stacks_of_every_rank_show_which_one_is_stuck(lab, tmp_path):
             assert not any("load_batch" in b for b in stacks[rank])
         # Reading the stacks stopped nothing: the stuck rank still counts, and no
         # process of the job is left stopped (state T).
-        beats = int(heartbeat.read_text())
+        beats = beat(heartbeat)
         time.sleep(1)
-        assert int(heartbeat.read_text()) > beats
+        assert beat(heartbeat) > beats
         for pid, cmdline, _ in job_processes(job_id):
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             assert state != "T", (pid, cmdline)
         assert lab.job_info(job_id)["JobState"] == "RUNNING"
     finally:
-        subprocess.run(["scancel", job_id], env=lab.env(), capture_output=True)
+        lab.cancel(job_id)
 
 
 def test_stacks_of_a_job_that_is_not_running_say_so(lab, tmp_path):
@@ -179,6 +188,4 @@ def test_squeue_says_why_each_job_is_pending(lab, tmp_path):
         assert "Reason=DependencyNeverSatisfied" in result.stdout, result.stdout
         assert f"Dependency=afterok:{failed}(failed)" in result.stdout, result.stdout
     finally:
-        subprocess.run(
-            ["scancel", busy, *pending], env=lab.env(), capture_output=True, timeout=30
-        )
+        lab.cancel(busy, *pending)

@@ -141,7 +141,7 @@ def test_squeue_and_scontrol_show_a_running_job(lab, tmp_path):
         assert f"JobId={job_id} JobName=hold" in result.stdout
         assert "NodeList=cn[1-2]" in result.stdout
     finally:
-        run(lab, f"scancel {job_id}")
+        lab.cancel(job_id)
 
 
 def test_srun_overlap_reaches_every_node_of_a_busy_job_and_its_gpus(lab, tmp_path):
@@ -166,7 +166,7 @@ def test_srun_overlap_reaches_every_node_of_a_busy_job_and_its_gpus(lab, tmp_pat
         assert waiting.returncode == 124, waiting.stdout + waiting.stderr
         assert waiting.stdout == ""
     finally:
-        run(lab, f"scancel {job_id}")
+        lab.cancel(job_id)
 
 
 def hold_all_cpus(lab, tmp_path) -> str:
@@ -178,7 +178,7 @@ def hold_all_cpus(lab, tmp_path) -> str:
         "--cpus-per-task=16\n#SBATCH --gpus-per-node=2\nsrun sleep 120\n"
     )
     job_id = lab.sbatch(script, site="generic", workdir=tmp_path)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         info = lab.job_info(job_id)
         # The step exists once the batch script's srun has started it.
@@ -186,6 +186,8 @@ def hold_all_cpus(lab, tmp_path) -> str:
         if info.get("JobState") == "RUNNING" and f"{job_id}.0" in steps:
             return job_id
         time.sleep(0.2)
+    # Not left to hold the nodes for the tests that follow.
+    lab.cancel(job_id)
     raise AssertionError(f"job {job_id} did not start its step: {info}")
 
 
@@ -248,7 +250,7 @@ def test_a_waiting_job_can_be_kept_off_a_node(lab, tmp_path):
         assert result.returncode == 0, result.stderr
         assert lab.job_info(job_id)["ExcNodeList"] == "cn2"
     finally:
-        subprocess.run(["scancel", job_id], env=lab.env(), capture_output=True)
+        lab.cancel(job_id)
 
 
 @pytest.mark.every_version

@@ -750,10 +750,10 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
             info = waiting.info
             # Where each process is stuck, for the report, before the job is cancelled.
             stacks = job_stacks(job_id)
-            subprocess.run(["scancel", job_id], env=self.env(), capture_output=True)
+            self.cancel(job_id)
         except AssertionError:
             # Held: out of the queue, so that it takes nothing from the next test.
-            subprocess.run(["scancel", job_id], env=self.env(), capture_output=True)
+            self.cancel(job_id)
             raise
         output = out.read_text(errors="replace") if out.exists() else ""
         if stacks is not None:
@@ -856,6 +856,15 @@ exec nsenter --mount="/proc/$(cat {pidfile})/ns/mnt" chroot {self.root} /bin/sh 
             raise StillWaiting(
                 f"job {job_id} is still {told} after {timeout:.0f} s: {record}", info
             )
+
+    def cancel(self, *job_ids: str, timeout: float = 60) -> None:
+        """Cancels the jobs and waits until each has ended: a cancelled job is
+        COMPLETING, its CPUs still taken, until its processes end, and a job submitted
+        meanwhile waits for them. A job that slurmctld has forgotten is over."""
+        subprocess.run(["scancel", *job_ids], env=self.env(), capture_output=True)
+        for job_id in job_ids:
+            if "Invalid job id" not in self._read_job(job_id)[1]:
+                self.wait_for_state(job_id, *ENDED, timeout=timeout)
 
     def job_info(self, job_id: str) -> dict[str, str]:
         """The job's record, as `scontrol show job` prints it; empty if it failed."""
