@@ -73,8 +73,8 @@ def test_which_processes_a_signal_to_the_steps_reaches(
                        check=True)  # fmt: skip
         time.sleep(3)
     finally:
-        # Not waited for: under linuxproc, after SIGUSR1 has killed torchrun, the job
-        # stayed COMPLETING over 60 s (seen once); the next test needs 2 of its CPUs.
+        # Not lab.cancel(), which waits at most 60 s for the end: under linuxproc, after
+        # SIGUSR1 has killed torchrun, this job stayed COMPLETING longer (seen once).
         subprocess.run(["scancel", job], env=lab.env(), capture_output=True)
     reached = {
         line.split()[0] for line in notes.read_text().splitlines()
