@@ -39,15 +39,6 @@ def wait_for(lab: Lab, job_id: str, out: Path, text: str, count: int) -> str:
     raise AssertionError(f"{count} x {text!r} not seen in 90 s:\n{output}")
 
 
-def beat(heartbeat: Path) -> int:
-    """The stuck rank's count. write_text() empties the file before it writes: a read
-    in between finds it empty (seen once), and reads again."""
-    deadline = time.monotonic() + 5
-    while not (text := heartbeat.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return int(text)
-
-
 def test_stacks_of_every_rank_show_which_one_is_stuck(lab, tmp_path):
     heartbeat = tmp_path / "heartbeat"
     job_id = lab.sbatch(
@@ -86,9 +77,9 @@ def test_stacks_of_every_rank_show_which_one_is_stuck(lab, tmp_path):
             assert not any("load_batch" in b for b in stacks[rank])
         # Reading the stacks stopped nothing: the stuck rank still counts, and no
         # process of the job is left stopped (state T).
-        beats = beat(heartbeat)
+        beats = int(heartbeat.read_text())
         time.sleep(1)
-        assert beat(heartbeat) > beats
+        assert int(heartbeat.read_text()) > beats
         for pid, cmdline, _ in job_processes(job_id):
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             assert state != "T", (pid, cmdline)

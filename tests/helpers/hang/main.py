@@ -45,7 +45,10 @@ def load_batch(heartbeat: Path):
     beats = 0
     while True:
         beats += 1
-        heartbeat.write_text(str(beats))
+        # Whole, by a rename: write_text() empties the file first, and a read in
+        # between would find it empty.
+        heartbeat.with_suffix(".tmp").write_text(str(beats))
+        heartbeat.with_suffix(".tmp").replace(heartbeat)
         time.sleep(0.1)
 
 
