@@ -47,7 +47,7 @@ class Checkpoint:
         # The other ranks wait in this group while rank 0 reads or writes, for up to an
         # hour: a file system that blocks (Lustre, NFS) may outlast the default group's
         # timeout (10 minutes with NCCL), which would end every rank. Past the hour, the
-        # storage counts as gone: every rank fails, and job.sh requeues the job.
+        # storage counts as gone: every rank fails, and supervise.py requeues the job.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(hours=1))
         self.max_failures, self.failures = args.max_failed_saves, 0
 
@@ -166,7 +166,7 @@ class Checkpoint:
 
 
 # A complete checkpoint's name: step-00001200.pt for step 1200. One being written ends
-# in ".tmp". job.sh finds the newest by this name too (tests/test_job_scripts.py).
+# in ".tmp". supervise.py finds the newest by this name too (tests/test_job_scripts.py).
 CHECKPOINT_FILE = "step-{steps:08d}.pt"
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
 
