@@ -82,6 +82,9 @@ def test_a_trial_with_max_steps_leaves_the_real_run_to_train_in_full(tmp_path):
     args = ARGS[name]
     alone = run_example(name, launch, args, env={"CHECKPOINT_DIR": str(tmp_path / "a")})
     assert alone.ok and alone.summaries[0]["finished"], alone.output
+    # Training ended: the mark by which supervise.py knows the run is done, whatever
+    # ends the processes after it.
+    assert (tmp_path / "a" / "training-done").exists()
     env = {"CHECKPOINT_DIR": str(tmp_path / "b")}
     trial = run_example(name, launch, (*args, "--max-steps", "3"), env=env)
     assert trial.ok, trial.output
@@ -225,6 +228,7 @@ def test_a_stop_on_the_time_limits_warning_leaves_its_mark_for_supervise(
     assert run.returncodes == [0] * launch.world_size, run.output
     assert unwrapped(run.output).count("checkpoint saved") == launch.world_size
     assert (tmp_path / "stopped-by-signal").read_text() == "SIGUSR1\n"
+    assert not (tmp_path / "training-done").exists()
     assert newest_checkpoint(tmp_path).exists()
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 # The marks that main.py leaves in the checkpoint folder (stopping.py writes them).
 STOP_MARK = "stopped-by-signal"  # the signal it stopped on: SIGUSR1 or SIGTERM
 ERROR_MARK = "stopped-on-error"  # an error that a person must act on: the message
+DONE_MARK = "training-done"  # training ended without a stop: the run is done
 LEDGER = "starts.jsonl"  # one line per start: what stopped it, what came next
 # A complete checkpoint's name: step-00001200.pt (one file), or epoch-0001-step-00001200
 # (FSDP2's folder of shards). One being written ends in ".tmp".
@@ -59,31 +60,33 @@ def run_step(command: list[str]) -> int:
                          "run's checkpoint folder, for supervise.py.")  # fmt: skip
     folder = Path(os.environ["CHECKPOINT_DIR"])
     before = newest_step(folder)
-    for mark in (STOP_MARK, ERROR_MARK):
+    for mark in (STOP_MARK, ERROR_MARK, DONE_MARK):
         (folder / mark).unlink(missing_ok=True)  # from an earlier start
     status = subprocess.call(command)
     if status < 0:  # srun itself ended by a signal: the shell's way to say so
         status = 128 - status
     stop, error = read_mark(folder / STOP_MARK), read_mark(folder / ERROR_MARK)
-    finished = status == 0 and stop is None and error is None
+    done = (folder / DONE_MARK).exists()
+    finished = (status == 0 or done) and stop is None and error is None
     job = this_job()
     slurm = None if finished else slurm_record(job)  # done: no need to ask
     retries = int(os.environ.get("RETRIES", RETRIES))
     decision = decide(status, stop, error, before, newest_step(folder), slurm,
-                      read_ledger(folder), retries)  # fmt: skip
+                      read_ledger(folder), retries, done)  # fmt: skip
     if not finished:  # a staging step that ends well leaves no line
         record(folder, job, status, before, decision)
     return act(decision, job, status, folder)
 
 
 def decide(status: int, stop: str | None, error: str | None, before: int,
-           after: int, slurm: dict | None, history: list[dict],
-           retries: int) -> Decision:  # fmt: skip
-    """What comes after a start that srun ended with `status`: main.py's marks (`stop`,
-    the signal; `error`, its message), the newest step saved `before` and `after` it,
-    Slurm's record of the job (None: no answer), and the decisions of earlier starts."""
+           after: int, slurm: dict | None, history: list[dict], retries: int,
+           done: bool = False) -> Decision:  # fmt: skip
+    """What comes after a start that srun ended with `status`, from main.py's marks,
+    the newest step saved `before` and `after` it, Slurm's record (None: no answer)."""
     if error is not None:
         return Decision("stop", f"main.py stopped on an error of its own: {error}")
+    if done and stop is None:  # whatever ended the processes afterwards
+        return Decision("done", f"main.py ended its training (srun's status: {status})")
     if status == 0 and stop is None:
         return Decision("done", "the step ended with status 0")
     if slurm is not None and preempted_now(slurm):
@@ -118,7 +121,7 @@ def act(decision: Decision, job: str, status: int, folder: Path) -> int:
     if decision.action in ("done", "end"):
         then = "done" if decision.action == "done" else "Slurm ends it"
         print(f"{say} {then}.", file=sys.stderr)
-        return status
+        return 0 if decision.action == "done" else status
     if decision.action == "wait":
         print(f"{say} waiting for Slurm to end the job.", file=sys.stderr, flush=True)
         # Slurm ends this process too. Ending first, within the grace time, would
@@ -155,8 +158,7 @@ def read_mark(path: Path) -> str | None:
 
 
 def write_mark(folder: Path, name: str, text: str):
-    """Writes a mark whole (a reader finds all of it or none); on a full disk, say,
-    nothing: RETRIES still bounds the requeues."""
+    """Writes a mark whole; on a full disk, nothing: RETRIES still bounds requeues."""
     tmp = folder / f".{name}.{os.getpid()}.tmp"
     try:
         tmp.write_text(text + "\n")
@@ -185,16 +187,14 @@ def record(folder: Path, job: str, status: int, before: int, decision: Decision)
 
 
 def this_job() -> str:
-    """The job that a requeue puts back in the queue: in a job array, this task alone.
-    (The array's own ID, which one of its tasks has as its job ID, names every task.)"""
+    """The job to requeue: in an array, this task alone (the array's ID names all)."""
     if (task := os.environ.get("SLURM_ARRAY_TASK_ID")) is not None:
         return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{task}"
     return os.environ.get("SLURM_JOB_ID", "")
 
 
 def preempted_now(slurm: dict) -> bool:
-    """Whether Slurm preempted the job during this start. PreemptTime is only shown
-    where preemption is on; the times are ISO 8601, which sort as text."""
+    """Whether Slurm preempted the job in this start (ISO 8601 times sort as text)."""
     preempt = slurm.get("PreemptTime", "None")
     return preempt not in ("None", "Unknown") and preempt >= slurm.get("StartTime", "")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from supervise import ERROR_MARK, STOP_MARK, write_mark
+from supervise import DONE_MARK, ERROR_MARK, STOP_MARK, write_mark
 
 # The signal that asked this process to stop, or 0. Once training runs, the handler
 # only notes it: the training loop acts on it between steps, where every rank can stop
@@ -92,10 +92,14 @@ class Agreement:
         """Waits for the last flags sent: no collective is left under way. A time
         limit's warning from now on asks for nothing: it is ignored. Python puts back
         the default action of a signal it handles as it exits, and SIGUSR1's would end
-        a run that has finished, with an error."""
+        a run that has finished, with an error. Training that ended without a stop
+        leaves its mark: a SIGTERM as the processes exit (a kill that Slurm kept for a
+        lost node, say) must not make supervise.py take the run for a stopped one."""
         if self.sent is not None and exc[0] is None:
             self.sent.wait()
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if exc[0] is None and not self.stop:
+            write_mark(marks, DONE_MARK, "done")
 
 
 def mark_stop(stopped_by: int, folder: Path):
