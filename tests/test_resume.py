@@ -134,6 +134,44 @@ def test_a_time_limit_warning_after_training_does_not_end_the_process(tmp_path):
     assert run.returncode == 0, (run.returncode, run.stderr)
 
 
+def test_a_stop_while_the_ranks_wait_for_each_other_in_start_up_ends_them_at_once(
+    tmp_path,
+):
+    # Seen on Slurm 24.11: preempted while rank 0 loaded a checkpoint from slow storage,
+    # the ranks that waited for it in a collective, outside Python, ran no Python
+    # handler: they stayed until Slurm killed them, past the grace time. Here rank 0
+    # takes 60 s to open the checkpoint (tests/helpers/faults/), and every rank gets
+    # SIGTERM 5 s into the wait: all must end at once, with the signal's status.
+    name = "generic/checkpointing"
+    launch = EXAMPLES[name]
+    env = {"CHECKPOINT_DIR": str(tmp_path)}
+    first = run_example(name, launch, (*ARGS[name], "--max-steps", "2"), env=env)
+    assert first.ok, first.output
+    signalled = {}
+
+    def stop_during_the_load(procs, logs: list[Path]):
+        deadline = time.monotonic() + 120
+        while "Running on" not in logs[0].read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(5)
+        signalled["at"] = time.monotonic()
+        for proc in procs:
+            signal_if_alive(proc.pid, signal.SIGTERM)
+
+    faults = str(Path(__file__).parent / "helpers" / "faults")
+    slow = {
+        "PYTHONPATH": faults,
+        "SLOW_LOAD": r"step-\d+\.pt$",
+        "SLOW_LOAD_SECONDS": "60",
+    }
+    run = run_example(name, launch, ARGS[name], env={**env, **slow},
+                      while_running=stop_during_the_load)  # fmt: skip
+    took = time.monotonic() - signalled["at"]
+    assert run.returncodes == [128 + signal.SIGTERM] * launch.world_size, run.output
+    assert took < 20, f"{took:.0f} s\n{run.output}"
+    assert "Resumed from" not in run.output
+
+
 def test_dataloader_workers_leave_the_stop_signals_to_their_rank(tmp_path):
     # Slurm's SIGTERM and SIGUSR1 reach the fork server and the workers
     # too. If they died of them, their rank would fail as it waited for

@@ -11,6 +11,7 @@ copies it into every example that uses it (`nox -s copies`): edit that one.
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -31,11 +32,16 @@ def note_stop_signal(signum, frame):
     global stop_signal
     # SIGTERM wins over SIGUSR1: the job is ending anyway.
     stop_signal = max(stop_signal, signum)
-    if not training:  # nothing to save yet: leave the mark, and end now
-        write_mark(marks, STOP_MARK, signal.Signals(stop_signal).name)
-        name = signal.Signals(signum).name
-        os.write(2, f"Stopped by {name} before training: nothing to save\n".encode())
-        os._exit(128 + signum)
+    if not training:
+        stop_before_training(signum)
+
+
+def stop_before_training(signum: int):
+    """Nothing to save yet: leaves the signal's mark, and ends the process now."""
+    write_mark(marks, STOP_MARK, signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    os.write(2, f"Stopped by {name} before training: nothing to save\n".encode())
+    os._exit(128 + signum)
 
 
 def catch_stop_signals(folder: Path):
@@ -45,6 +51,21 @@ def catch_stop_signals(folder: Path):
     marks = folder
     signal.signal(signal.SIGUSR1, note_stop_signal)
     signal.signal(signal.SIGTERM, note_stop_signal)
+    # A Python handler runs only once the main thread is back in Python. Before
+    # training, it may wait in a call that is not: for another rank, in a collective or
+    # at the rendezvous, for up to an hour. Python writes each signal's number to this
+    # pipe as it arrives, and a thread of its own ends the process then.
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=watch_before_training, args=(read,), daemon=True).start()
+
+
+def watch_before_training(pipe: int):
+    while not training:
+        signum = os.read(pipe, 1)[0]
+        if signum in (signal.SIGUSR1, signal.SIGTERM) and not training:
+            stop_before_training(signum)
 
 
 class Agreement:
