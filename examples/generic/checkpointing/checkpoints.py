@@ -147,17 +147,20 @@ class Checkpoint:
     def check(self, state: dict, path: Path):
         """Stops with the cause when the checkpoint belongs to another run."""
         written_by, world_size = len(state["ranks"]), dist.get_world_size()
+        # An error for a person, at every start: stop_for_good, not a retry.
         if written_by != world_size:
-            raise SystemExit(
+            stop_for_good(
+                self.root,
                 f"error: {path} was written by {written_by} processes, and this "
                 f"job has {world_size}. Resume with the same number of tasks, or give "
-                "a new --checkpoint-dir to start over."
+                "a new --checkpoint-dir to start over.",
             )
         if other := changes(state["settings"], self.settings):
-            raise SystemExit(
+            stop_for_good(
+                self.root,
                 f"error: {path} belongs to a run with other settings ({other}). "
                 "Resume with the same settings, or start a new run: another "
-                f"--job-name, or delete {self.root}."
+                f"--job-name, or delete {self.root}.",
             )
         # Those that may change, said: some change the numbers, if not the run (in the
         # template, --bf16 on a GPU without bf16).

@@ -37,8 +37,11 @@ def note_stop_signal(signum, frame):
 
 
 def stop_before_training(signum: int):
-    """Nothing to save yet: leaves the signal's mark, and ends the process now."""
-    write_mark(marks, STOP_MARK, signal.Signals(signum).name)
+    """Nothing to save yet: ends the process now. SIGUSR1, the time limit's warning,
+    leaves its mark; SIGTERM leaves none, as srun sends it to the other tasks when one
+    fails (--kill-on-bad-exit): supervise.py asks Slurm whether it is preempting."""
+    if signum == signal.SIGUSR1:
+        write_mark(marks, STOP_MARK, signal.Signals(signum).name)
     name = signal.Signals(signum).name
     os.write(2, f"Stopped by {name} before training: nothing to save\n".encode())
     os._exit(128 + signum)
