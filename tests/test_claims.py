@@ -185,7 +185,7 @@ def test_stated_defaults_are_found_and_checked():
     found = [(m[1], m[2] or m[3]) for m in STATED_DEFAULT.finditer(text)]
     assert found == [("--max-restarts", "20"), ("--warmup", "5"), ("--compile", "off")]
     template = example_defaults("generic/template")
-    assert template["--max-failed-saves"] == 3 and template["--compile"] is None
+    assert template["--max-restarts"] == 20 and template["--compile"] is None
     assert same("20", 20) and same("50,000", 50_000) and not same("21", 20)
     assert torchrun_defaults()["--max-restarts"] == 0
 

@@ -17,7 +17,6 @@ from smoke import (
     GENERIC_SMOKE_ARGS,
     assert_bitwise_equal,
     parse_summaries,
-    unwrapped,
 )
 from test_failures import (
     EPOCH_END,
@@ -64,9 +63,7 @@ def test_the_container_step_runs_step_4_unchanged():
     # Every task starts main.py in the image with the node's NVIDIA libraries (--nv):
     # the test nodes have none, so only this line shows it.
     assert re.search(
-        r'^ *srun .*\\\n +apptainer exec --nv "\$image" python main\.py "\$@"',
-        job,
-        re.M,
+        r'^srun .*\\\n +apptainer exec --nv "\$image" python main\.py "\$@"', job, re.M
     )
 
 
@@ -76,7 +73,7 @@ def test_requeued_from_inside_the_container_it_resumes_exactly(
     lab, tmp_path, exact_twin
 ):
     # Warned as --signal=USR1@120 warns every task before the time limit. main.py,
-    # inside the container, leaves its mark; supervise.py, outside it, requeues.
+    # inside the container, finds no scontrol and leaves job.sh the requeue.
     job = submit(lab, NAME, *EXACT_RUN, workdir=tmp_path / "run", options=EXACT_LAYOUT)
     output = tmp_path / "run" / f"slurm-{job}.out"
     wait_until(lambda: EPOCH_END in read(output), 180, "an epoch of training")
@@ -84,9 +81,7 @@ def test_requeued_from_inside_the_container_it_resumes_exactly(
     restart_when_requeued(lab, job, 1)
     resumed = lab.wait(job, tmp_path / "run", timeout=300)
     assert resumed.ok, resumed.output
-    assert "time limit's warning (SIGUSR1); this start saved step" in unwrapped(
-        resumed.output
-    ), resumed.output
+    assert "No scontrol here: asking job.sh to requeue job" in resumed.output
     stops = re.findall(
         r"\[(\d)/4\] Stopped at step (\d+), checkpoint saved", resumed.output
     )

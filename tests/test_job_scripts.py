@@ -1,11 +1,13 @@
 """Every job.sh parses, passes shellcheck, and hands on its arguments and GPUs."""
 
+import fnmatch
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from smoke import load_main
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 JOB_SCRIPTS = sorted(EXAMPLES.glob("**/job.sh"))
@@ -67,65 +69,86 @@ def test_a_launcher_per_node_gets_all_its_gpus(script):
         assert "--gpu-bind=none" in step.split(" torch")[0], step
 
 
-# The checkpointing steps end their job.sh the same way: srun, run by supervise.py,
-# which decides what comes after it (tests/test_supervise.py). A fix in one copy must
-# reach the others; the container's runs main.py in its image.
+# The four checkpointing steps end their job.sh the same way: srun, then, if it failed,
+# the requeue after a crash. A fix in one copy must reach the others.
 CHECKPOINTING = ["generic/checkpointing", "mila/checkpointing", "generic/template",
                  "generic/fsdp"]  # fmt: skip
-SUPERVISED = [*CHECKPOINTING, "generic/container"]
-
-
-def commands(text: str) -> list[str]:
-    """The script's lines, continuation lines joined, comments and blank lines left."""
-    joined = re.sub(r"\s*\\\n\s*", " ", text).splitlines()
-    return [line.strip() for line in joined if line.strip()[:1] not in ("", "#")]
+AFTER_A_CRASH = "# The newest checkpoint's name"
 
 
 def test_the_checkpointing_scripts_end_the_same_way():
-    ends = set()
-    for name in SUPERVISED:
+    ends = {}
+    for name in CHECKPOINTING:
         text = (EXAMPLES / name / "job.sh").read_text()
+        assert AFTER_A_CRASH in text, name
         assert 'ulimit -n "$(ulimit -Hn)"' in text, name
-        last = commands(text)[-1]
-        assert last.startswith(
-            "exec python3 supervise.py srun --kill-on-bad-exit=1 "
-        ), (name, last)
-        ends.add(last.replace('apptainer exec --nv "$image" ', ""))
-        # The policy after srun is Python's: no requeue, no mark, no checkpoint name in
-        # bash.
-        for spelled in ("scontrol requeue", "stopped-on-error", "step-", "PreemptTime"):
-            assert spelled not in text, (name, spelled)
-    assert len(ends) == 1, ends
+        ends[name] = text[text.index(AFTER_A_CRASH) :]
+    assert len(set(ends.values())) == 1, "the checkpointing job.sh files end apart"
 
 
-def test_a_staging_step_goes_through_supervise_too():
-    # A copy that fails, or that a preemption stops, is decided as after training: not
-    # an end of job.sh under set -e (which Slurm 24.05+ would count as a failed launch
-    # within a grace time, and older ones would end FAILED).
-    for name in ("mila/checkpointing", "generic/template"):
-        staging = [c for c in commands((EXAMPLES / name / "job.sh").read_text())
-                   if "--ntasks-per-node=1" in c]  # fmt: skip
-        assert staging and all(
-            c.startswith("python3 supervise.py srun ") for c in staging
-        ), staging
-
-
-# The Lightning example requeues through Lightning, which asks Slurm's controller again
-# while it does not answer, and keeps a preempted job from ending COMPLETED on Slurm
-# older than 24.05 (tests/test_slurm_events.py shows both).
+# Every job.sh that resumes from checkpoints, the container step's and the Lightning
+# example's included, asks Slurm's controller again while it does not answer, and keeps
+# a preempted job from ending COMPLETED on Slurm older than 24.05
+# (tests/test_slurm_events.py shows both).
+RESUMING = [*CHECKPOINTING, "generic/container", "launchers/lightning"]
 ASK_SLURM = "\nask_slurm() {\n"
 OLD_SLURM = "${version:-99} < 24)"
 
 
-def test_the_lightning_script_asks_slurm_again_and_waits_out_a_grace_time():
-    text = (EXAMPLES / "launchers/lightning/job.sh").read_text()
-    assert ASK_SLURM in text
-    calls = re.findall(
-        r'^.*\bscontrol (?:requeue|show job) "\$(?:SLURM_JOB_ID|this_job)".*$',
-        text,
-        re.M,
-    )
-    # But the record at the top, which may fail: the job goes on.
-    record = 'scontrol show job "$SLURM_JOB_ID" || true'
-    assert all("ask_slurm scontrol" in c or c == record for c in calls), calls
-    assert OLD_SLURM in text and "sleep infinity" in text
+def test_every_resuming_script_asks_slurm_again_and_waits_out_a_grace_time():
+    functions = set()
+    for name in RESUMING:
+        text = (EXAMPLES / name / "job.sh").read_text()
+        start = text.index(ASK_SLURM)
+        functions.add(text[start : text.index("\n}\n", start)])
+        calls = re.findall(
+            r'^.*\bscontrol (?:requeue|show job) "\$(?:SLURM_JOB_ID|this_job)".*$',
+            text, re.M,
+        )  # fmt: skip
+        # But the record at the top, which may fail: the job goes on.
+        record = 'scontrol show job "$SLURM_JOB_ID" || true'
+        assert all("ask_slurm scontrol" in c or c == record for c in calls), calls
+        # In a job array, this task alone: the array's own ID requeues every task.
+        alone = [c for c in calls if c != record]
+        assert alone and all('"$this_job"' in c for c in alone), (name, alone)
+        assert OLD_SLURM in text and "sleep infinity" in text, name
+    assert len(functions) == 1, "the job.sh files ask Slurm again in different ways"
+
+
+# The checkpointing steps' job.sh and main.py share files in the checkpoint folder:
+# the checkpoints, whose newest job.sh finds to tell whether a start saved one, and the
+# marks that main.py leaves (stopping.py). The names are spelled in main.py's modules;
+# each job.sh must spell them alike.
+SHARING_FILES = [p for p in JOB_SCRIPTS if (p.parent / "stopping.py").exists()]
+
+
+@pytest.mark.parametrize(
+    "script", SHARING_FILES, ids=[p.parent.name for p in SHARING_FILES]
+)
+def test_job_sh_and_main_py_name_the_shared_files_alike(script):
+    assert len(SHARING_FILES) == 5
+    text = script.read_text()
+    folder = str(script.parent.relative_to(EXAMPLES))
+    stopping = load_main(folder, "stopping.py")
+    for mark in (stopping.STOPPED_MARK, stopping.REQUEUE_MARK):
+        # Cleared at each start, then read after srun.
+        assert re.search(rf'rm -f .*"\$CHECKPOINT_DIR/{mark}"', text), mark
+        assert f"-e $CHECKPOINT_DIR/{mark}" in text, mark
+    # The newest checkpoint: job.sh's find, against the names that main.py writes.
+    [(complete, partial)] = re.findall(r'-name "([^"]+)" ! -name "([^"]+)"', text)
+    if (script.parent / "checkpoints.py").exists():
+        checkpoints = load_main(
+            str(script.parent.relative_to(EXAMPLES)), "checkpoints.py"
+        )
+        names = [checkpoints.CHECKPOINT_FILE.format(steps=s) for s in (9, 10, 1200)]
+        assert all(checkpoints.CHECKPOINT_NAME.fullmatch(n) for n in names)
+    else:  # FSDP2's folders, one per checkpoint
+        fsdp = load_main("generic/fsdp")
+        names = [f"epoch-{e:04d}-step-{s:08d}" for e, s in ((0, 9), (0, 10), (1, 1200))]
+        assert all(fsdp.CHECKPOINT_NAME.fullmatch(n) for n in names)
+    for name in names:
+        assert fnmatch.fnmatch(name, complete), name
+        assert not fnmatch.fnmatch(name, partial), name
+        assert fnmatch.fnmatch(name + ".tmp", partial), name
+    # job.sh takes the last by `sort`: the names sort as their steps do.
+    assert sorted(names) == names

@@ -65,8 +65,8 @@ def test_every_example_takes_its_rank_and_device_from_the_modules():
     # The single-GPU steps run one process, with no process group: devices.py alone.
     single = {"generic/single_gpu", "mila/single_gpu"}
     assert copies.shared_modules().keys() == {
-        "ranks", "devices", "stopping", "supervise", "resumable_data",
-        "checkpoint_files", "checkpoints",
+        "ranks", "devices", "stopping", "resumable_data", "checkpoint_files",
+        "checkpoints",
     }  # fmt: skip
     for name in STRUCTURED:
         held = {copy.stem for copy in copies.wanted(EXAMPLES_DIR / name)}
@@ -99,10 +99,10 @@ def test_each_module_stays_light():
 
 
 # The checkpointing programs (step 4 and those built on it) stop, save and resume
-# through the same modules: how the ranks agree to stop or save (stopping.py), what
-# comes after srun (supervise.py), the data's order on resume (resumable_data.py),
-# atomic writes (checkpoint_files.py), and, for DDP, the checkpoints themselves
-# (checkpoints.py). The tests of a save in one of them hold for all.
+# through the same modules: how the ranks agree to stop or save and the job is requeued
+# (stopping.py), the data's order on resume (resumable_data.py), atomic writes
+# (checkpoint_files.py), and, for DDP, the checkpoints themselves (checkpoints.py). The
+# tests of a save in one of them hold for all.
 CHECKPOINTING = [
     name for name in STRUCTURED if (EXAMPLES_DIR / name / "stopping.py").exists()
 ]
@@ -113,7 +113,7 @@ def test_the_checkpointing_programs_stop_and_save_the_same_way():
     assert len(CHECKPOINTING) == 5, CHECKPOINTING
     for name in CHECKPOINTING:
         held = {copy.stem for copy in copies.wanted(EXAMPLES_DIR / name)}
-        assert {"stopping", "supervise", "resumable_data", "checkpoint_files"} <= held
+        assert {"stopping", "resumable_data", "checkpoint_files"} <= held, name
         # FSDP2 writes sharded checkpoints: its own kind, in its main.py.
         assert ("checkpoints" in held) == (name != "generic/fsdp"), name
 
@@ -178,21 +178,6 @@ DIFFS = {
     ("generic/multi_node", "launchers/accelerate"): 40,
 }
 GENERIC_STEPS = ["single_gpu", "multi_gpu", "multi_node", "checkpointing", "template"]
-
-
-# The most lines of each checkpointing job.sh, which reads: resources, environment,
-# srun, and one line after (supervise.py decides what comes next, in Python). A budget
-# only comes down.
-JOB_SCRIPT_LINES = {
-    "generic/checkpointing": 90, "mila/checkpointing": 90, "generic/fsdp": 110,
-    "generic/container": 130, "generic/template": 150,
-}  # fmt: skip
-
-
-def test_each_checkpointing_job_sh_stays_within_its_budget_of_lines():
-    for name, most in JOB_SCRIPT_LINES.items():
-        lines = (EXAMPLES_DIR / name / "job.sh").read_text().count("\n")
-        assert lines <= most, f"{name}/job.sh: {lines} lines, more than {most}"
 
 
 def test_each_main_py_stays_within_its_budget_of_lines():

@@ -10,10 +10,12 @@ import contextlib
 import dataclasses
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from smoke import (
     decode_records,
     descendants,
     load_checkpoint,
+    load_main,
     newest_checkpoint,
     numbers,
     run_example,
@@ -82,9 +85,6 @@ def test_a_trial_with_max_steps_leaves_the_real_run_to_train_in_full(tmp_path):
     args = ARGS[name]
     alone = run_example(name, launch, args, env={"CHECKPOINT_DIR": str(tmp_path / "a")})
     assert alone.ok and alone.summaries[0]["finished"], alone.output
-    # Training ended: the mark by which supervise.py knows the run is done, whatever
-    # ends the processes after it.
-    assert (tmp_path / "a" / "training-done").exists()
     env = {"CHECKPOINT_DIR": str(tmp_path / "b")}
     trial = run_example(name, launch, (*args, "--max-steps", "3"), env=env)
     assert trial.ok, trial.output
@@ -134,42 +134,72 @@ def test_a_time_limit_warning_after_training_does_not_end_the_process(tmp_path):
     assert run.returncode == 0, (run.returncode, run.stderr)
 
 
-def test_a_stop_while_the_ranks_wait_for_each_other_in_start_up_ends_them_at_once(
-    tmp_path,
+# What a stand-in scontrol is asked at each call, in turn, and what it does (a line of
+# shell each).
+REQUEUE, SHOW = "requeue 96", "show job --oneliner 96"
+LOST_ANSWER = (
+    "echo 'slurm_requeue error: Unexpected message received for job 96' >&2; exit 1"
+)
+ENDED_BY_THE_REQUEUE = "kill -TERM $$; exit 1"
+ALREADY_ENDING = (
+    "echo 'slurm_requeue error: Job/step already completing or completed' >&2; exit 1"
+)
+REFUSED = "echo 'Requested operation is presently disabled for job 96' >&2; exit 1"
+RUNNING = "echo 'JobId=96 JobState=RUNNING Restarts=0 PreemptTime=None'"
+
+
+@pytest.mark.parametrize(
+    "calls, seconds_left, stops_for_good",
+    [
+        # Seen in CI (24.11, the controller stopped for 30 s): the requeue's answer is
+        # lost after 10 s; once back, the controller requeues the job, and its SIGTERM
+        # ends the call that asks again. The job starts again: no error, no mark.
+        ([(REQUEUE, LOST_ANSWER), (REQUEUE, ENDED_BY_THE_REQUEUE)], 3600, False),
+        ([(REQUEUE, LOST_ANSWER), (REQUEUE, LOST_ANSWER), (REQUEUE, "exit 0")], 3600,
+         False),
+        # Too close to the time limit to ask again: the job's state is asked instead,
+        # and the requeue's SIGTERM ends that call.
+        ([(REQUEUE, LOST_ANSWER), (SHOW, ENDED_BY_THE_REQUEUE)], 19, False),
+        # A preemption ends the job as it is requeued: ended, not refused.
+        ([(REQUEUE, ALREADY_ENDING), (SHOW, ENDED_BY_THE_REQUEUE)], 3600, False),
+        # A refusal of a job still running is for a person: the mark, the message.
+        ([(REQUEUE, REFUSED), (SHOW, RUNNING)], 3600, True),
+    ],
+)  # fmt: skip
+def test_a_requeue_whose_answer_is_lost_or_late_is_not_taken_for_a_refusal(
+    tmp_path, monkeypatch, calls, seconds_left, stops_for_good
 ):
-    # Seen on Slurm 24.11: preempted while rank 0 loaded a checkpoint from slow storage,
-    # the ranks that waited for it in a collective, outside Python, ran no Python
-    # handler: they stayed until Slurm killed them, past the grace time. Here rank 0
-    # takes 60 s to open the checkpoint (tests/helpers/faults/), and every rank gets
-    # SIGTERM 5 s into the wait: all must end at once, with the signal's status.
-    name = "generic/checkpointing"
-    launch = EXAMPLES[name]
-    env = {"CHECKPOINT_DIR": str(tmp_path)}
-    first = run_example(name, launch, (*ARGS[name], "--max-steps", "2"), env=env)
-    assert first.ok, first.output
-    signalled = {}
-
-    def stop_during_the_load(procs, logs: list[Path]):
-        deadline = time.monotonic() + 120
-        while "Running on" not in logs[0].read_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(5)
-        signalled["at"] = time.monotonic()
-        for proc in procs:
-            signal_if_alive(proc.pid, signal.SIGTERM)
-
-    faults = str(Path(__file__).parent / "helpers" / "faults")
-    slow = {
-        "PYTHONPATH": faults,
-        "SLOW_LOAD": r"step-\d+\.pt$",
-        "SLOW_LOAD_SECONDS": "60",
-    }
-    run = run_example(name, launch, ARGS[name], env={**env, **slow},
-                      while_running=stop_during_the_load)  # fmt: skip
-    took = time.monotonic() - signalled["at"]
-    assert run.returncodes == [128 + signal.SIGTERM] * launch.world_size, run.output
-    assert took < 20, f"{took:.0f} s\n{run.output}"
-    assert "Resumed from" not in run.output
+    stopping = load_main("generic/checkpointing", "stopping.py")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    answers, asked = tmp_path / "answers", tmp_path / "asked"
+    answers.write_text("".join(answer + "\n" for _, answer in calls))
+    scontrol = bin_dir / "scontrol"
+    # Call N takes line N of the answers; a call beyond them fails plainly.
+    scontrol.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {shlex.quote(str(asked))}\n'
+        f"n=$(wc -l < {shlex.quote(str(asked))})\n"
+        f'eval "$(sed -n "${{n}}p" {shlex.quote(str(answers))})"\n'
+        "exit 99\n"
+    )
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "96")
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + seconds_left))
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    # No waiting between tries.
+    clock = types.SimpleNamespace(time=time.time, sleep=lambda seconds: None)
+    monkeypatch.setattr(stopping, "time", clock)
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    with contextlib.ExitStack() as stack:
+        if stops_for_good:
+            stack.enter_context(pytest.raises(SystemExit, match="failed, so the job"))
+        stopping.requeue(signal.SIGUSR1, max_restarts=3, folder=folder)
+    assert asked.read_text().splitlines() == [call for call, _ in calls]
+    assert (folder / stopping.STOPPED_MARK).exists() == stops_for_good
 
 
 def test_dataloader_workers_leave_the_stop_signals_to_their_rank(tmp_path):
@@ -248,64 +278,33 @@ def test_a_stop_during_validation_saves_at_once_and_validates_on_resumption(tmp_
     )
 
 
-# Step 4's; every checkpointing step's stopping.py is the same file.
+# Step 4's; the Mila step's Checkpoint and requeue() are the same, byte for byte
+# (test_the_checkpointing_programs_stop_and_save_the_same_way, in test_layout.py).
 @pytest.mark.parametrize("name", ["generic/checkpointing"])
-def test_a_stop_on_the_time_limits_warning_leaves_its_mark_for_supervise(
-    tmp_path, name
-):
-    # One rank warned: every rank stops after the same step and saves; rank 0 leaves
-    # the signal in the checkpoint folder, for supervise.py to requeue the job.
+def test_a_job_that_restarted_too_often_is_not_requeued(tmp_path, name):
+    # The warning before the time limit makes rank 0 requeue the job.
+    # A job that loops, say because its data makes every run fail the
+    # same way, must end for good at some point: --max-restarts.
     launch = EXAMPLES[name]
+    env = {"CHECKPOINT_DIR": str(tmp_path), "SLURM_RESTART_COUNT": "3"}
 
     def warn_one_rank(procs, logs: list[Path]):
         wait_for_training(name, logs)
         os.kill(procs[1].pid, signal.SIGUSR1)
 
-    env = {"CHECKPOINT_DIR": str(tmp_path)}
-    run = run_example(name, launch, ARGS[name], env=env, while_running=warn_one_rank)
-    assert run.returncodes == [0] * launch.world_size, run.output
-    assert unwrapped(run.output).count("checkpoint saved") == launch.world_size
-    assert (tmp_path / "stopped-by-signal").read_text() == "SIGUSR1\n"
-    assert not (tmp_path / "training-done").exists()
-    assert newest_checkpoint(tmp_path).exists()
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_stop_during_start_up_ends_every_rank_at_once_and_leaves_its_mark(
-    tmp_path, signum
-):
-    # Slurm signals every task of the step, whatever it is doing: here, while main.py
-    # loads its dataset, before training. There is nothing to save: each rank ends at
-    # once, with 128 + the signal's number.
-    name = "generic/checkpointing"
-    launch = EXAMPLES[name]
-    started = {}
-
-    def stop_at_start_up(procs, logs: list[Path]):
-        # main() has begun (its first log line), and training has not.
-        deadline = time.monotonic() + 120
-        while "Running on" not in logs[0].read_text() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        started["at"] = time.monotonic()
-        for proc in procs:
-            signal_if_alive(proc.pid, signum)
-
-    # A dataset large enough that its set-up (its tints) and the model take a while.
-    run = run_example(name, launch, ARGS[name], env={"CHECKPOINT_DIR": str(tmp_path)},
-                      while_running=stop_at_start_up)  # fmt: skip
-    assert run.returncodes == [128 + signum] * launch.world_size, run.output
-    assert "Stopped by " + signal.Signals(signum).name + " before training" in (
-        run.output
+    args = (*ARGS[name], "--max-restarts", "3")
+    run = run_example(name, launch, args, env=env, while_running=warn_one_rank)
+    assert run.returncodes[0] != 0 and run.returncodes[1] == 0, run.output
+    text = unwrapped(run.output)
+    assert re.search(
+        r"is not requeued: it has started 4 times, and\s+--max-restarts is 3", text
     )
-    assert "epoch 0 step" not in run.output
-    # The time limit's warning leaves its mark. SIGTERM leaves none: srun sends it to
-    # the other tasks when one fails, which is no stop (supervise.py asks Slurm).
-    mark = tmp_path / "stopped-by-signal"
-    if signum == signal.SIGUSR1:
-        assert mark.read_text() == "SIGUSR1\n"
-    else:
-        assert not mark.exists()
-    assert not list(tmp_path.glob("step-*"))
+    assert "Resubmit job.sh with the same job name" in text
+    assert "Requeueing job" not in text
+    assert (tmp_path / "stopped-on-error").exists()  # for job.sh: no requeue either
+    # It stopped as any warned job does, with the checkpoint saved.
+    assert text.count("checkpoint saved") == launch.world_size, run.output
+    assert newest_checkpoint(tmp_path).exists()
 
 
 # Step 4's; the Mila step's Checkpoint and requeue() are the same, byte for byte

@@ -118,7 +118,7 @@ def test_a_sweep_runs_its_tasks_together_each_exactly_as_alone(lab, tmp_path):
         assert_bitwise_equal(ran, load_checkpoint(checkpoint_dir(lab, alone_dir)))
         stops = re.findall(r"Stopped at step (\d+), checkpoint saved", output)
         if task == warned:
-            assert f"requeueing job {array}_{task}" in output, output
+            assert f"Requeueing job {array}_{task}" in output, output
             assert len(stops) == 1, output
             assert re.search(rf"Resumed from \S+ at step {stops[0]}\b", output), output
         else:

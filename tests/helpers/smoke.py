@@ -578,14 +578,15 @@ def load_sharded_checkpoint(checkpoint_dir: Path) -> dict:
     `checkpoint_dir`, as whole tensors.
 
     Folders are named by epoch and step, so that the newest sorts last; a folder ending
-    in .tmp is an unfinished one, and files of other names are marks (stopping.py).
-    DCP's own converter gathers the shards, without a process group.
+    in .tmp is an unfinished one. DCP's own converter gathers the shards, without a
+    process group.
     """
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    # Not a save under way (.tmp), nor supervise.py's marks and record beside them.
-    folder = sorted(checkpoint_dir.glob("epoch-*-step-*[0-9]"))[-1]
+    folder = sorted(p for p in checkpoint_dir.iterdir() if not p.name.endswith(".tmp"))[
+        -1
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         whole = Path(tmp) / "whole.pt"
         dcp_to_torch_save(folder, whole)

@@ -1,74 +1,48 @@
-"""Stopping when Slurm asks. Slurm sends SIGUSR1 before the time limit (job.sh asks
-for it) and SIGTERM at a preemption or a cancel. Before training, the process ends at
-once: there is nothing to save yet. Once training runs, the ranks agree between two
-steps to stop or to save. Either way the signal is left as a mark in the checkpoint
-folder, and supervise.py, after srun, decides what comes next: requeue the job, or
-leave it to Slurm.
+"""Stopping when Slurm asks, and coming back. Slurm sends SIGUSR1 before the time
+limit (job.sh asks for it) and SIGTERM at a preemption or a cancel: the ranks agree
+between two steps to stop or to save, and the job goes back in the queue with `scontrol
+requeue`. A stop that a person must look at leaves a mark: job.sh does not requeue.
 
 The guide keeps one source of this file, examples/shared/stopping.py, and
 copies it into every example that uses it (`nox -s copies`): edit that one.
 """
 
+import contextlib
+import logging
 import os
+import re
+import shutil
 import signal
-import threading
+import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from supervise import DONE_MARK, ERROR_MARK, STOP_MARK, write_mark
+log = logging.getLogger(__name__)
 
-# The signal that asked this process to stop, or 0. Once training runs, the handler
-# only notes it: the training loop acts on it between steps, where every rank can stop
-# at the same point.
+# The marks that main.py leaves for job.sh in the checkpoint folder. job.sh reads them
+# by these names (tests/test_job_scripts.py holds the two sides to one spelling).
+STOPPED_MARK = "stopped-on-error"  # an error that a person must act on: no requeue
+REQUEUE_MARK = "requeue"  # no scontrol here (in a container): job.sh requeues the job
+
+
+# The signal that asked this process to stop, or 0. The handler only notes it: the
+# training loop acts on it between steps, where every rank can stop at the same point.
 stop_signal = 0
-training = False  # set by Agreement
-marks = Path("checkpoints")  # the checkpoint folder, where the marks go
 
 
 def note_stop_signal(signum, frame):
     global stop_signal
-    # SIGTERM wins over SIGUSR1: the job is ending anyway.
+    # SIGTERM wins over SIGUSR1: the job is ending anyway, and a requeue would fail.
     stop_signal = max(stop_signal, signum)
-    if not training:
-        stop_before_training(signum)
 
 
-def stop_before_training(signum: int):
-    """Nothing to save yet: ends the process now. SIGUSR1, the time limit's warning,
-    leaves its mark; SIGTERM leaves none, as srun sends it to the other tasks when one
-    fails (--kill-on-bad-exit): supervise.py asks Slurm whether it is preempting."""
-    if signum == signal.SIGUSR1:
-        write_mark(marks, STOP_MARK, signal.Signals(signum).name)
-    name = signal.Signals(signum).name
-    os.write(2, f"Stopped by {name} before training: nothing to save\n".encode())
-    os._exit(128 + signum)
-
-
-def catch_stop_signals(folder: Path):
-    """From the first line of main(): on SIGUSR1 or SIGTERM, stop, and leave the
-    signal as a mark in `folder` for supervise.py."""
-    global marks
-    marks = folder
+def catch_stop_signals():
+    """From here on there is progress to lose: on SIGUSR1 or SIGTERM, stop and save."""
     signal.signal(signal.SIGUSR1, note_stop_signal)
     signal.signal(signal.SIGTERM, note_stop_signal)
-    # A Python handler runs only once the main thread is back in Python. Before
-    # training, it may wait in a call that is not: for another rank, in a collective or
-    # at the rendezvous, for up to an hour. Python writes each signal's number to this
-    # pipe as it arrives, and a thread of its own ends the process then.
-    read, write = os.pipe()
-    os.set_blocking(write, False)
-    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    threading.Thread(target=watch_before_training, args=(read,), daemon=True).start()
-
-
-def watch_before_training(pipe: int):
-    while not training:
-        signum = os.read(pipe, 1)[0]
-        if signum in (signal.SIGUSR1, signal.SIGTERM) and not training:
-            stop_before_training(signum)
 
 
 class Agreement:
@@ -80,8 +54,7 @@ class Agreement:
     """
 
     def __init__(self, save_every_minutes: float):
-        global training
-        training = True  # from here on there is progress to lose: stop at a step, save
+        catch_stop_signals()
         self.group = dist.new_group(backend="gloo")
         self.save_every = save_every_minutes * 60
         self.sent, self.flags = None, None
@@ -116,25 +89,96 @@ class Agreement:
         """Waits for the last flags sent: no collective is left under way. A time
         limit's warning from now on asks for nothing: it is ignored. Python puts back
         the default action of a signal it handles as it exits, and SIGUSR1's would end
-        a run that has finished, with an error. Training that ended without a stop
-        leaves its mark: a SIGTERM as the processes exit (a kill that Slurm kept for a
-        lost node, say) must not make supervise.py take the run for a stopped one."""
+        a run that has finished, with an error."""
         if self.sent is not None and exc[0] is None:
             self.sent.wait()
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        if exc[0] is None and not self.stop:
-            write_mark(marks, DONE_MARK, "done")
 
 
-def mark_stop(stopped_by: int, folder: Path):
-    """Leaves the signal that stopped training for supervise.py: after SIGUSR1, the time
-    limit's warning, it requeues the job; after SIGTERM, it asks Slurm whether it is
-    ending the job (a preemption, a cancel) or requeues it (a stray SIGTERM)."""
-    write_mark(folder, STOP_MARK, signal.Signals(stopped_by).name)
+def requeue(stopped_by: int, max_restarts: int, folder: Path):
+    """Puts this job back in the queue after a stop: Slurm ends it now and starts it
+    again later. After SIGUSR1, the warning of the time limit, always. After SIGTERM,
+    only if Slurm is not ending the job: SIGTERM comes with a preemption (which Slurm
+    requeues), a time limit or `scancel`, but also to the tasks alone (a stale kill of
+    a lost node's, `scancel --signal=TERM`), and then the job would end COMPLETED,
+    unfinished. Not after `max_restarts`: a job that cannot finish would loop for good.
+    """
+    if (job_id := os.environ.get("SLURM_JOB_ID")) is None:
+        return  # not a Slurm job
+    # In a job array, this task alone: the array's own ID, which one of its tasks has
+    # as its job ID, would requeue every task.
+    if (task := os.environ.get("SLURM_ARRAY_TASK_ID")) is not None:
+        job_id = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{task}"
+    if stopped_by == signal.SIGTERM and slurm_ends(job_id) is not False:
+        return  # Slurm ends it (or may: no answer)
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    resubmit = "Resubmit job.sh with the same job name: it resumes from the checkpoint."
+    if restarts >= max_restarts:
+        stop_for_good(
+            folder,
+            f"error: job {job_id} is not requeued: it has started {restarts + 1} "
+            f"times, and --max-restarts is {max_restarts}. {resubmit}",
+        )
+    if shutil.which("scontrol") is None:  # in a container, say: job.sh requeues
+        log.info(f"No scontrol here: asking job.sh to requeue job {job_id}")
+        (folder / REQUEUE_MARK).touch()
+        return
+    log.info(f"Requeueing job {job_id}")
+    # Needs `#SBATCH --requeue` on clusters whose default is not to requeue. The requeue
+    # ends every process of the job, scontrol included: SIGTERM is success. So is a job
+    # no longer running: a try whose answer was lost may have requeued it.
+    result = scontrol("requeue", job_id)
+    if result.returncode not in (0, -signal.SIGTERM) and slurm_ends(job_id) is not True:
+        stop_for_good(
+            folder,
+            f"error: `scontrol requeue {job_id}` failed, so the job will not start "
+            f"again by itself. {resubmit}",
+        )
+
+
+def slurm_ends(job_id: str) -> bool | None:
+    """Whether Slurm is ending the job: no longer running (cancelled, timed out,
+    requeued), or preempted, in its grace time, or its SIGTERM ended scontrol; None
+    where no scontrol answers."""
+    show = scontrol("show", "job", "--oneliner", job_id)
+    if show is not None and show.returncode == -signal.SIGTERM:
+        return True  # Slurm ends the job's processes, scontrol among them
+    if show is None or show.returncode != 0:
+        return None
+    job = dict(item.split("=", 1) for item in show.stdout.split() if "=" in item)
+    # PreemptTime is only shown where preemption is on.
+    return job.get("JobState") != "RUNNING" or job.get("PreemptTime", "None") != "None"
+
+
+def scontrol(*args: str) -> subprocess.CompletedProcess | None:
+    """`scontrol ARGS`, tried again every 5 s while Slurm's controller does not answer
+    (a restart, a failover), for 90 s, but never past 15 s before the time limit. None
+    where there is no scontrol (in a container)."""
+    if shutil.which("scontrol") is None:
+        return None
+    end = min(time.time() + 90, int(os.environ.get("SLURM_JOB_END_TIME", 2e9)) - 15)
+    while True:
+        try:
+            result = subprocess.run(["scontrol", *args], capture_output=True, text=True,
+                                    timeout=max(end - time.time(), 1))  # fmt: skip
+        except subprocess.TimeoutExpired as error:
+            result = subprocess.CompletedProcess(error.cmd, 1, "", "no answer in time")
+        if result.stderr.strip():
+            log.warning(f"scontrol {' '.join(args)}: {result.stderr.strip()}")
+        # Slurm 24.11 may say "Unexpected message received" when no answer came in time.
+        away = re.search(
+            "contact slurm controller|timed out|in time|Unexpected message",
+            result.stderr,
+        )
+        if result.returncode <= 0 or not away or time.time() + 5 > end:
+            return result
+        time.sleep(5)
 
 
 def stop_for_good(folder: Path, message: str):
     """Ends this process with `message`, an error that a person must act on. Its mark
-    in the checkpoint folder tells supervise.py not to requeue the job."""
-    write_mark(folder, ERROR_MARK, message)
+    in the checkpoint folder tells job.sh not to requeue the job."""
+    # On a full disk, say, the mark may fail: job.sh's limit on requeues still holds.
+    with contextlib.suppress(OSError):
+        (folder / STOPPED_MARK).touch()
     raise SystemExit(message)

@@ -8,8 +8,9 @@
 #SBATCH --time=04:00:00
 # Allow the job to go back in the queue, whether Slurm preempts it or it asks itself.
 #SBATCH --requeue
-# SIGUSR1 to every task 120 s before the time limit: time to save and requeue. Without
-# `B:`, Slurm signals the tasks that srun started, which is where Python runs.
+# SIGUSR1 to every task 120 s before the time limit: time to
+# save a checkpoint and requeue. Without `B:`, Slurm signals
+# the tasks that srun started, which is where Python runs.
 #SBATCH --signal=USR1@120
 # Append, so that the log of every run of a requeued job stays in one file.
 #SBATCH --open-mode=append
@@ -116,11 +117,83 @@ export MASTER_PORT=$((10000 + SLURM_JOB_ID % 10000))
 # to 23.02 do not.
 # --kill-on-bad-exit: if one task fails, end the others at once. With NCCL, they could
 # otherwise wait for it in their next collective until a timeout.
+# The newest checkpoint's name: if srun fails and it has changed, this start saved one.
+newest_checkpoint() {
+    find "$CHECKPOINT_DIR" -maxdepth 1 -name "*step-*" ! -name "*.tmp" -printf "%f\n" |
+        sort | tail -n 1
+}
+before=$(newest_checkpoint)
+# Slurm's controller may not answer for a while (a restart, a failover): each call to it
+# below tries again every 20 s, for about 3 minutes, before it fails.
+ask_slurm() {
+    local try
+    for try in 1 2 3 4 5; do
+        "$@" && return 0
+        echo "$1 $2 failed (try $try of 6): trying again in 20 s" >&2
+        sleep 20
+    done
+    "$@"
+}
+# The job that a requeue below puts back in the queue: in a job array, this task alone.
+# (The array's own ID, which one of its tasks has as its job ID, names every task.)
+this_job=$SLURM_JOB_ID
+[[ -z ${SLURM_ARRAY_TASK_ID:-} ]] || this_job=${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID
+# main.py leaves these marks: when it stops on an error that a person must act on; when
+# it finds no scontrol to requeue the job with (in a container, say).
+rm -f "$CHECKPOINT_DIR/stopped-on-error" "$CHECKPOINT_DIR/requeue"
 # Each task runs `apptainer exec`, which starts main.py in the image. --nv brings the
 # node's NVIDIA driver libraries into the container: without them, CUDA finds no GPU.
-# supervise.py runs srun, then decides: done, requeue (a crash, the time limit's
-# warning), wait for Slurm (a preemption), or stop for good with the reason. It runs
-# here, outside the container, where scontrol is: the node's own python3 runs it.
-exec python3 supervise.py \
-    srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" \
-    apptainer exec --nv "$image" python main.py "$@"
+status=0
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" \
+    apptainer exec --nv "$image" python main.py "$@" || status=$?
+# After SIGUSR1, main.py asks for a requeue that it could not make itself.
+if [[ $status == 0 && -e $CHECKPOINT_DIR/requeue ]]; then
+    ask_slurm scontrol requeue "$this_job" && sleep 600
+    echo "error: scontrol requeue failed: resubmit job.sh to resume" >&2
+    exit 1
+fi
+if ((status == 0)); then
+    # Preempted with a grace time (GraceTime, the partition's or the QOS's), main.py
+    # saved and stopped. Slurm 24.05 and later requeue the job once this script ends;
+    # older ones end it COMPLETED, unfinished: there, wait for the grace time to end,
+    # when Slurm requeues the job (or cancels it, as its PreemptMode says).
+    version=$(scontrol --version) || version=""  # "slurm 23.11.4", "slurm-wlm 23.11.4"
+    version=${version##* } && version=${version%%.*}
+    if ((${version:-99} < 24)) &&
+        [[ $(ask_slurm scontrol show job "$this_job") == *" PreemptTime="[0-9]* ]]
+    then
+        sleep infinity
+    fi
+    exit 0
+fi
+
+# --- srun failed: a task crashed, or stopped on an error ------------------------------
+# A process killed for want of memory, a GPU error, an NCCL timeout: requeue the job to
+# resume from its last checkpoint, if this start saved one, at most CRASH_RESTARTS times
+# per job. 0: never (`sbatch --export=ALL,CRASH_RESTARTS=0 job.sh`). A failure before
+# the first save is most often a setting to fix, and would come again. (A lost node is
+# Slurm's own to handle: it ends the job, which --requeue lets it requeue.)
+max=${CRASH_RESTARTS:-3}
+# Counted in the checkpoint folder, where a requeued start finds them. (On a full disk
+# the count may fail: then only the need for a new checkpoint limits the requeues.)
+echo "job $SLURM_JOB_ID: srun exited with status $status" >>"$CHECKPOINT_DIR/crashes" ||
+    true
+crashes=$(grep -c "^job $SLURM_JOB_ID:" "$CHECKPOINT_DIR/crashes" || true)
+if [[ -e $CHECKPOINT_DIR/stopped-on-error ]]; then
+    why="main.py stopped on an error of its own, above"
+elif [[ $(newest_checkpoint) == "$before" ]]; then
+    why="before this start saved a checkpoint"
+elif ((crashes > max)); then
+    why="failure $crashes of this job, over CRASH_RESTARTS=$max"
+else
+    echo "srun exited with status $status: requeueing the job to resume from its last" \
+        "checkpoint (failure $crashes of the $max allowed)" >&2
+    # Slurm ends this script within seconds as it requeues the job: the sleep keeps it
+    # from going on meanwhile.
+    ask_slurm scontrol requeue "$this_job" && sleep 600
+    why="scontrol requeue failed"
+fi
+echo "error: srun exited with status $status, $why: the job is not requeued. Fix the" \
+    "cause, then resubmit: the job resumes from its checkpoint in $CHECKPOINT_DIR, if" \
+    "it has one." >&2
+exit "$status"

@@ -3,9 +3,8 @@
 Over step 3: rank 0 saves a checkpoint atomically every --checkpoint-every minutes,
 after every epoch, and when Slurm asks the job to stop (SIGUSR1 before the time limit,
 SIGTERM at preemption or `scancel`); the newest two are kept. All ranks stop or save
-after the same step. After srun, supervise.py requeues the job, or leaves that to
-Slurm when Slurm ends it. A job started again under the same name resumes exactly
-from the newest checkpoint, part-way through an epoch.
+after the same step. After SIGUSR1 the job requeues itself. A job started again under
+the same name resumes exactly from the newest checkpoint, part-way through an epoch.
 
 Try the job before the data is in place:
 `sbatch --job-name=trial job.sh --synthetic-data --max-steps 50`.
@@ -35,7 +34,7 @@ from checkpoints import Checkpoint
 from devices import end_with_rank, get_device, get_num_workers
 from ranks import leave, setup
 from resumable_data import ResumableSampler, SeededSamples, start_fork_server
-from stopping import Agreement, catch_stop_signals, mark_stop
+from stopping import Agreement, requeue
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +132,6 @@ def check_dataset(data_dir: Path | None):
 
 def main():
     args = parse_args()
-    catch_stop_signals(args.checkpoint_dir)  # SIGUSR1, SIGTERM: stop, and say why
     place = setup(args.rendezvous_timeout)
     device = get_device(place.local_rank)
     # Plain lines with a time stamp and the rank: a batch job's output is a file.
@@ -169,10 +167,10 @@ def main():
     if stopped_by:
         saved = "checkpoint saved" if checkpoint.failures == 0 else "save failed"
         log.warning(f"Stopped at step {progress.steps}, {saved}")
-        # The signal, for supervise.py: after SIGUSR1, the time limit's warning, it
-        # requeues the job; after SIGTERM, it leaves it to Slurm, if Slurm is ending it.
+        # SIGUSR1 warns of the time limit: requeue. SIGTERM comes as Slurm ends the
+        # job (and requeues it, if it preempts it), but not always: see requeue().
         if place.rank == 0:
-            mark_stop(stopped_by, args.checkpoint_dir)
+            requeue(stopped_by, args.max_restarts, args.checkpoint_dir)
         return
     # One plain line per process to grep from the job's output: the numbers agree.
     summary = {
@@ -213,6 +211,7 @@ def parse_args(argv=None):
     add("--checkpoint-every-steps", type=positive, help="and every this many steps")
     add("--keep-checkpoints", type=positive, default=2, help="the newest kept")
     add("--max-failed-saves", type=positive, default=3, help="in a row, then stop")
+    add("--max-restarts", type=int, default=20, help="the most requeues, against loops")
     return parser.parse_args(argv)
 
 
@@ -457,7 +456,7 @@ def validate(model: nn.Module, loader: DataLoader, device: torch.device, agreeme
 MAY_CHANGE_ON_RESUME = {
     "epochs", "max_steps", "log_every", "data_dir", "num_workers", "rendezvous_timeout",
     "checkpoint_dir", "checkpoint_every", "checkpoint_every_steps", "keep_checkpoints",
-    "max_failed_saves",
+    "max_failed_saves", "max_restarts",
 }  # fmt: skip
 
 

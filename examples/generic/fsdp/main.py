@@ -54,7 +54,7 @@ from checkpoint_files import changes, save_atomically
 from devices import end_with_rank, get_device, get_num_workers
 from ranks import leave, setup
 from resumable_data import ResumableSampler, SeededSamples, start_fork_server
-from stopping import Agreement, catch_stop_signals, mark_stop, stop_for_good
+from stopping import Agreement, requeue, stop_for_good
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,6 @@ def check_dataset(data_dir: Path | None):
 
 def main():
     args = parse_args()
-    catch_stop_signals(args.checkpoint_dir)  # SIGUSR1, SIGTERM: stop, and say why
     place = setup(args.rendezvous_timeout)
     device = get_device(place.local_rank)
     # Plain lines with a time stamp and the rank: a batch job's output is a file.
@@ -323,10 +322,10 @@ def main():
     if stopped_by:
         saved = "checkpoint saved" if checkpoint.failures == 0 else "save failed"
         log.warning(f"Stopped at step {progress.steps}, {saved}")
-        # The signal, for supervise.py: after SIGUSR1, the time limit's warning, it
-        # requeues the job; after SIGTERM, it leaves it to Slurm, if Slurm is ending it.
+        # SIGUSR1 warns of the time limit: requeue. SIGTERM comes as Slurm ends the
+        # job (and requeues it, if it preempts it), but not always: see requeue().
         if place.rank == 0:
-            mark_stop(stopped_by, args.checkpoint_dir)
+            requeue(stopped_by, args.max_restarts, args.checkpoint_dir)
         return
     # One plain line per process to grep from the job's output: the numbers agree.
     summary = {
@@ -382,6 +381,7 @@ def parse_args(argv=None):
     add("--checkpoint-every-steps", type=positive, help="and every this many steps")
     add("--keep-checkpoints", type=positive, default=2, help="the newest kept")
     add("--max-failed-saves", type=positive, default=3, help="in a row, then stop")
+    add("--max-restarts", type=int, default=20, help="the most requeues, against loops")
     # Speed settings. By default each is on where it pays: on GPUs (bf16: of compute
     # capability 8.0 and newer). --no-X turns one off, to measure what it buys.
     for name in ("bf16", "pin-memory"):
@@ -897,7 +897,7 @@ def synchronize(device: torch.device):
 MAY_CHANGE_ON_RESUME = {
     "epochs", "max_steps", "log_every", "data_dir", "num_workers", "rendezvous_timeout",
     "checkpoint_dir", "checkpoint_every", "checkpoint_every_steps", "keep_checkpoints",
-    "max_failed_saves", "micro_batch_size", "peak_tflops",
+    "max_failed_saves", "max_restarts", "micro_batch_size", "peak_tflops",
     "batch_size", "accumulation_steps",  # set by main.py from --micro-batch-size
     # speed settings: the same training, faster
     "bf16", "pin_memory", "benchmark",
@@ -925,7 +925,7 @@ class Checkpoint:
         # tensors, and must not mix with training's. Its ranks wait in it for up to an
         # hour: a file system that blocks (Lustre, NFS) may outlast the default group's
         # timeout (10 minutes with NCCL), which would end every rank. Past the hour, the
-        # storage counts as gone: every rank fails, and supervise.py requeues the job.
+        # storage counts as gone: every rank fails, and job.sh requeues the job.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(hours=1))
         self.under_way = None  # the background save: its future, and rank 0's thread
         self.error = None  # what failed in that thread

@@ -47,7 +47,7 @@ class Checkpoint:
         # The other ranks wait in this group while rank 0 reads or writes, for up to an
         # hour: a file system that blocks (Lustre, NFS) may outlast the default group's
         # timeout (10 minutes with NCCL), which would end every rank. Past the hour, the
-        # storage counts as gone: every rank fails, and supervise.py requeues the job.
+        # storage counts as gone: every rank fails, and job.sh requeues the job.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(hours=1))
         self.max_failures, self.failures = args.max_failed_saves, 0
 
@@ -147,20 +147,17 @@ class Checkpoint:
     def check(self, state: dict, path: Path):
         """Stops with the cause when the checkpoint belongs to another run."""
         written_by, world_size = len(state["ranks"]), dist.get_world_size()
-        # An error for a person, at every start: stop_for_good, not a retry.
         if written_by != world_size:
-            stop_for_good(
-                self.root,
+            raise SystemExit(
                 f"error: {path} was written by {written_by} processes, and this "
                 f"job has {world_size}. Resume with the same number of tasks, or give "
-                "a new --checkpoint-dir to start over.",
+                "a new --checkpoint-dir to start over."
             )
         if other := changes(state["settings"], self.settings):
-            stop_for_good(
-                self.root,
+            raise SystemExit(
                 f"error: {path} belongs to a run with other settings ({other}). "
                 "Resume with the same settings, or start a new run: another "
-                f"--job-name, or delete {self.root}.",
+                f"--job-name, or delete {self.root}."
             )
         # Those that may change, said: some change the numbers, if not the run (in the
         # template, --bf16 on a GPU without bf16).
@@ -169,7 +166,7 @@ class Checkpoint:
 
 
 # A complete checkpoint's name: step-00001200.pt for step 1200. One being written ends
-# in ".tmp". supervise.py finds the newest by this name too (tests/test_job_scripts.py).
+# in ".tmp". job.sh finds the newest by this name too (tests/test_job_scripts.py).
 CHECKPOINT_FILE = "step-{steps:08d}.pt"
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
 

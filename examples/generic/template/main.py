@@ -43,7 +43,7 @@ from devices import end_with_rank, get_device, get_num_workers
 from ranks import leave, setup
 from resumable_data import ResumableSampler, SeededSamples, start_fork_server
 from speed import TrainLog, benchmark, memory_layout, speed_settings
-from stopping import Agreement, catch_stop_signals, mark_stop
+from stopping import Agreement, requeue
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,6 @@ def check_dataset(data_dir: Path | None):
 
 def main():
     args = parse_args()
-    catch_stop_signals(args.checkpoint_dir)  # SIGUSR1, SIGTERM: stop, and say why
     place = setup(args.rendezvous_timeout)
     device = get_device(place.local_rank)
     # Plain lines with a time stamp and the rank: a batch job's output is a file.
@@ -198,10 +197,10 @@ def main():
     if stopped_by:
         saved = "checkpoint saved" if checkpoint.failures == 0 else "save failed"
         log.warning(f"Stopped at step {progress.steps}, {saved}")
-        # The signal, for supervise.py: after SIGUSR1, the time limit's warning, it
-        # requeues the job; after SIGTERM, it leaves it to Slurm, if Slurm is ending it.
+        # SIGUSR1 warns of the time limit: requeue. SIGTERM comes as Slurm ends the
+        # job (and requeues it, if it preempts it), but not always: see requeue().
         if place.rank == 0:
-            mark_stop(stopped_by, args.checkpoint_dir)
+            requeue(stopped_by, args.max_restarts, args.checkpoint_dir)
         return
     # One plain line per process to grep from the job's output: the numbers agree.
     summary = {
@@ -240,6 +239,7 @@ def parse_args(argv=None):
     add("--checkpoint-every-steps", type=positive, help="and every this many steps")
     add("--keep-checkpoints", type=positive, default=2, help="the newest kept")
     add("--max-failed-saves", type=positive, default=3, help="in a row, then stop")
+    add("--max-restarts", type=int, default=20, help="the most requeues, against loops")
     # Speed settings. By default each is on where it pays: on GPUs (bf16: of compute
     # capability 8.0 and newer). --no-X turns one off, to measure what it buys.
     for name in ("bf16", "channels-last", "cudnn-benchmark", "pin-memory"):
@@ -558,7 +558,7 @@ def forward_loss(model, inputs, target: Tensor, args) -> Tensor:
 MAY_CHANGE_ON_RESUME = {
     "epochs", "max_steps", "log_every", "data_dir", "num_workers", "rendezvous_timeout",
     "checkpoint_dir", "checkpoint_every", "checkpoint_every_steps", "keep_checkpoints",
-    "max_failed_saves", "eval_every",
+    "max_failed_saves", "max_restarts", "eval_every",
     # speed settings: the same training, faster
     "bf16", "channels_last", "cudnn_benchmark", "pin_memory", "compile", "benchmark",
 }  # fmt: skip

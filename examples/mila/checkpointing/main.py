@@ -5,9 +5,9 @@ Over multi_node: rank 0 saves a checkpoint atomically every --checkpoint-every m
 after every epoch, and when Slurm asks the job to stop: SIGUSR1 before the time limit
 (job.sh asks for it), SIGTERM at preemption or `scancel`. The newest two are kept. All
 ranks stop, or save, after the same step or validation batch, agreed without making the
-GPU wait; supervise.py requeues the job where Slurm does not. A job that starts again
-under the same job name resumes exactly from the newest checkpoint, part-way through an
-epoch if need be: after a crash, which sends no signal, it loses the steps since then.
+GPU wait, and after SIGUSR1 the job requeues itself. A job that starts again under the
+same job name resumes exactly from the newest checkpoint, part-way through an epoch if
+need be: after a crash, which sends no signal, it loses the steps since that checkpoint.
 The DataLoader workers' fork server starts with the signals blocked, so that they reach
 the training processes alone.
 
@@ -40,7 +40,7 @@ from checkpoints import Checkpoint
 from devices import end_with_rank, get_device, get_num_workers
 from ranks import leave, setup
 from resumable_data import ResumableSampler, SeededSamples, start_fork_server
-from stopping import Agreement, catch_stop_signals, mark_stop
+from stopping import Agreement, requeue
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,6 @@ def check_dataset(data_dir: Path):
 
 def main():
     args = parse_args()
-    catch_stop_signals(args.checkpoint_dir)  # SIGUSR1, SIGTERM: stop, and say why
     place = setup(args.rendezvous_timeout)
     device = get_device(place.local_rank)
     # Plain lines with a time stamp and the rank: a batch job's output is a file.
@@ -173,10 +172,10 @@ def main():
     if stopped_by:
         saved = "checkpoint saved" if checkpoint.failures == 0 else "save failed"
         log.warning(f"Stopped at step {progress.steps}, {saved}")
-        # The signal, for supervise.py: after SIGUSR1, the time limit's warning, it
-        # requeues the job; after SIGTERM, it leaves it to Slurm, if Slurm is ending it.
+        # SIGUSR1 warns of the time limit: requeue. SIGTERM comes as Slurm ends the
+        # job (and requeues it, if it preempts it), but not always: see requeue().
         if place.rank == 0:
-            mark_stop(stopped_by, args.checkpoint_dir)
+            requeue(stopped_by, args.max_restarts, args.checkpoint_dir)
         return
     # One plain line per process to grep from the job's output: the numbers agree.
     summary = {
@@ -222,6 +221,7 @@ def parse_args(argv=None):
     add("--checkpoint-every-steps", type=positive, help="and every this many steps")
     add("--keep-checkpoints", type=positive, default=2, help="the newest kept")
     add("--max-failed-saves", type=positive, default=3, help="in a row, then stop")
+    add("--max-restarts", type=int, default=20, help="the most requeues, against loops")
     return parser.parse_args(argv)
 
 
@@ -466,7 +466,7 @@ def validate(model: nn.Module, loader: DataLoader, device: torch.device, agreeme
 MAY_CHANGE_ON_RESUME = {
     "epochs", "max_steps", "log_every", "data_dir", "num_workers", "rendezvous_timeout",
     "checkpoint_dir", "checkpoint_every", "checkpoint_every_steps", "keep_checkpoints",
-    "max_failed_saves",
+    "max_failed_saves", "max_restarts",
 }  # fmt: skip
 
 

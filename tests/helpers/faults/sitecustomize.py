@@ -12,10 +12,6 @@ too):
   first, as a write to Lustre or a hard-mounted NFS does while a server is away. With
   STALL_SAVE_WHEN, a file's path, only once that file exists (a test makes it).
 
-SLOW_LOAD, a regular expression: opening a file whose path matches it, to read, takes
-SLOW_LOAD_SECONDS (default 10) first, as a checkpoint on storage slow to answer does: a
-test preempts a job while it loads its checkpoint, during its start-up.
-
 COLLECTIVE_TIMEOUT, in seconds, replaces torch.distributed's default timeout of a group
 (10 minutes with NCCL, 30 with gloo), so that a test can outlast it in seconds.
 
@@ -23,7 +19,6 @@ Used by the tests of saves that fail or block (tests/test_resume.py,
 tests/test_slurm_events.py).
 """
 
-import builtins
 import errno
 import os
 import re
@@ -54,21 +49,6 @@ def failing_fsync(fd):
 
 
 os.fsync = failing_fsync
-
-slow_load = os.environ.get("SLOW_LOAD")
-slow_seconds = float(os.environ.get("SLOW_LOAD_SECONDS", "10"))
-real_open = builtins.open
-
-
-def slow_open(file, mode="r", *args, **kwargs):
-    path = file if isinstance(file, str | os.PathLike) else ""
-    if "r" in mode and re.search(slow_load, str(os.fspath(path))):
-        time.sleep(slow_seconds)
-    return real_open(file, mode, *args, **kwargs)
-
-
-if slow_load:
-    builtins.open = slow_open
 
 if "COLLECTIVE_TIMEOUT" in os.environ:
     from datetime import timedelta
